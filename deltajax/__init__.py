@@ -1,0 +1,11 @@
+"""deltajax: gated delta rule linear attention (Gated DeltaNet, KDA) for JAX."""
+
+from deltajax.api import IMPLEMENTATIONS
+from deltajax.api import gated_delta
+from deltajax.api import gated_delta_step
+from deltajax.api import kda
+
+__version__ = "0.1.0"
+
+__all__ = ["IMPLEMENTATIONS", "gated_delta", "gated_delta_step", "kda",
+           "__version__"]
