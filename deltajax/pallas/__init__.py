@@ -1,0 +1,7 @@
+"""Pallas GPU kernels (lowered through Triton) for the gated delta rule."""
+
+from deltajax.pallas.core import gpu_capability
+from deltajax.pallas.core import MIN_CAPABILITY
+from deltajax.pallas.ops import gated_delta_pallas
+
+__all__ = ["gated_delta_pallas", "gpu_capability", "MIN_CAPABILITY"]

@@ -1,0 +1,108 @@
+"""``impl="pallas"``: the chunked algorithm as Pallas kernels, with its custom_vjp.
+
+Forward: :func:`ut.ut_transform` (parallel) -> :func:`state.forward_scan`
+(sequential over chunks) -> :func:`output.output` (parallel). Backward:
+:func:`output.output_backward` (parallel) -> :func:`state.backward_scan`
+(sequential, reverse) -> :func:`ut.ut_backward` (parallel). The backward
+keeps the chunk-entry states and ``Delta`` from the forward and recomputes the
+UT transform: memory ``O(T (K + V) + (T / C) K V)`` per head.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from deltajax import common
+from deltajax.pallas import core
+from deltajax.pallas import output
+from deltajax.pallas import state
+from deltajax.pallas import ut
+
+
+def _gates(a, b, chunk_size, dtype):
+  """``[B, T, H, 1]`` log gate and ``[B, T, H]`` beta -> ``[B, H, T]`` cumulative gate and beta."""
+  bsz, t_len, h, _ = a.shape
+  a = jnp.transpose(a[..., 0], (0, 2, 1)).astype(dtype)
+  g = jnp.cumsum(a.reshape(bsz, h, t_len // chunk_size, chunk_size), axis=-1)
+  return g.reshape(bsz, h, t_len), jnp.transpose(b, (0, 2, 1)).astype(dtype)
+
+
+def _padded(q, k, v, state):
+  kp, vp = core.padded_dim(q.shape[-1]), core.padded_dim(v.shape[-1])
+  q, k = common.pad_axis(q, 3, kp), common.pad_axis(k, 3, kp)
+  v = common.pad_axis(v, 3, vp)
+  state = common.pad_axis(common.pad_axis(state, 2, kp), 3, vp)
+  return q, k, v, state
+
+
+def _check(q, a, chunk_size):
+  if a.shape[-1] != 1:
+    raise NotImplementedError(
+        "impl='pallas' has kernels for the scalar (Gated DeltaNet) gate; use "
+        "impl='chunked' for a per-channel (KDA) gate (impl='auto' does).")
+  if chunk_size < core.SUB:
+    raise ValueError(f"impl='pallas' needs chunk_size >= {core.SUB}; got "
+                     f"{chunk_size}")
+
+
+def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
+  _check(q, a, chunk_size)
+  acc = initial_state.dtype
+  g, beta = _gates(a, b, chunk_size, acc)
+  qp, kp, vp, s0 = _padded(q, k, v, initial_state)
+  w, u, _ = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
+  delta, states, final = state.forward_scan(w, u, kp, g, s0,
+                                            chunk_size=chunk_size)
+  o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
+                    scale=scale, out_dtype=v.dtype)
+  dk, dv = q.shape[-1], v.shape[-1]
+  return (o[..., :dv], final[..., :dk, :dv]), (states, delta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def gated_delta_pallas(q, k, v, a, b, initial_state, scale, chunk_size):
+  """Gated delta rule with Pallas (Triton) kernels; same contract as
+  :func:`deltajax.chunked.gated_delta_chunked`, scalar gate ``a [B, T, H, 1]``."""
+  return _forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
+
+
+def _fwd(q, k, v, a, b, initial_state, scale, chunk_size):
+  outs, (states, delta) = _forward(q, k, v, a, b, initial_state, scale,
+                                   chunk_size)
+  return outs, (q, k, v, a, b, initial_state, states, delta)
+
+
+def _bwd(scale, chunk_size, residuals, cotangents):
+  q, k, v, a, b, initial_state, states, delta = residuals
+  d_o, d_final = cotangents
+  acc = initial_state.dtype
+  g, beta = _gates(a, b, chunk_size, acc)
+  qp, kp, vp, _ = _padded(q, k, v, initial_state)
+  d_o = common.pad_axis(d_o.astype(v.dtype), 3, vp.shape[-1])
+  d_final = _padded(q, k, v, d_final.astype(acc))[3]
+  w, u, t = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
+  dq, dk_out, dg_out, d_delta = output.output_backward(
+      qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
+  d_delta, d_next, d_initial = state.backward_scan(
+      qp, kp, w, g, d_o, d_delta, d_final, chunk_size=chunk_size, scale=scale)
+  dk_ut, dv, db, dg_ut = ut.ut_backward(kp, vp, g, beta, t, w, u, states,
+                                        d_next, delta, d_delta,
+                                        chunk_size=chunk_size)
+  bsz, t_len, h, n_k = q.shape
+  dg = (dg_out + dg_ut).reshape(bsz, h, t_len // chunk_size, chunk_size)
+  da = lax.cumsum(dg, axis=3, reverse=True).reshape(bsz, h, t_len)
+  da = jnp.transpose(da, (0, 2, 1))[..., None]
+  db = jnp.transpose(db, (0, 2, 1))
+  n_v = v.shape[-1]
+  return (dq[..., :n_k].astype(q.dtype),
+          (dk_out + dk_ut)[..., :n_k].astype(k.dtype),
+          dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
+          db.astype(b.dtype),
+          d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
+
+
+gated_delta_pallas.defvjp(_fwd, _bwd)

@@ -1,0 +1,143 @@
+"""The state scan over chunks, forward and backward: the only sequential kernels.
+
+One program per (batch, head, V block) walks the chunks with the state
+``[K, BV]`` in registers, in float32. Only what depends on the carried state
+stays on this path (ANCHORS: the sequential path is latency-bound): forward,
+``Delta = U - W S`` and the state update; backward, the state cotangent.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from deltajax.pallas import core
+
+
+def _chunk_end(k, g):
+  """``(K e^{g_C - g}, e^{g_C})`` for one chunk; ``g`` ``[C]``."""
+  g_end = core.last(g)
+  return k * jnp.exp(g_end - g)[:, None], jnp.exp(g_end)
+
+
+def _forward_kernel(w_ref, u_ref, k_ref, g_ref, s0_ref,
+                    delta_ref, states_ref, final_ref, *, chunk_size):
+  c = chunk_size
+  dtype, acc = w_ref.dtype, final_ref.dtype
+
+  def chunk(n, s):
+    rows = pl.ds(n * c, c)
+    states_ref[n] = s.astype(states_ref.dtype)
+    delta = u_ref[rows, :].astype(acc) - core.mm(w_ref[rows, :], s.astype(dtype))
+    delta_ref[rows, :] = delta.astype(delta_ref.dtype)
+    k_end, decay = _chunk_end(k_ref[rows, :].astype(acc), g_ref[rows].astype(acc))
+    return decay * s + core.mm(k_end.astype(dtype), delta.astype(dtype),
+                               trans_a=True)
+
+  s = lax.fori_loop(0, w_ref.shape[0] // c, chunk, s0_ref[...].astype(acc))
+  final_ref[...] = s
+
+
+def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
+                     d_delta_ref, d_next_ref, d_initial_ref, *, chunk_size,
+                     scale):
+  c = chunk_size
+  n_chunks = w_ref.shape[0] // c
+  dtype, acc = w_ref.dtype, d_initial_ref.dtype
+
+  def chunk(i, ds):
+    n = n_chunks - 1 - i
+    rows = pl.ds(n * c, c)
+    d_next_ref[n] = ds
+    g = g_ref[rows].astype(acc)
+    k_end, decay = _chunk_end(k_ref[rows, :].astype(acc), g)
+    d_delta = dd_ref[rows, :] + core.mm(k_end.astype(dtype), ds.astype(dtype))
+    d_delta_ref[rows, :] = d_delta
+    qg = (q_ref[rows, :].astype(acc) * (scale * jnp.exp(g))[:, None])
+    return (core.mm(qg.astype(dtype), do_ref[rows, :].astype(dtype),
+                    trans_a=True)
+            + decay * ds
+            - core.mm(w_ref[rows, :], d_delta.astype(dtype), trans_a=True))
+
+  d_initial_ref[...] = lax.fori_loop(0, n_chunks, chunk,
+                                     dfinal_ref[...].astype(acc))
+
+
+def _v_blocks(dv: int) -> int:
+  return min(dv, 64)
+
+
+def forward_scan(w, u, k, g, initial_state, *, chunk_size):
+  """``Delta = U - W S`` and ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk.
+
+  Args:
+    w, k: ``[B, T, H, K]``; u: ``[B, T, H, V]``; g: ``[B, H, T]``;
+    initial_state: ``[B, H, K, V]`` float32 (float64 in interpret mode).
+
+  Returns:
+    ``(delta [B, T, H, V] in u's dtype, states [B, H, N, K, V] (each chunk's
+    entry state), final_state [B, H, K, V])``.
+  """
+  bsz, t_len, h, dk = w.shape
+  dv, bv = u.shape[-1], _v_blocks(u.shape[-1])
+  n = t_len // chunk_size
+  acc = initial_state.dtype
+  seq = lambda d: core.block(None, t_len, None, d)
+  state = core.block(None, None, dk, bv)(lambda i, j, v: (i, j, 0, v))
+  states = core.block(None, None, n, dk, bv)(lambda i, j, v: (i, j, 0, 0, v))
+  return core.call(
+      lambda *refs: _forward_kernel(*refs, chunk_size=chunk_size),
+      grid=(bsz, h, dv // bv),
+      in_specs=[seq(dk)(lambda i, j, v: (i, 0, j, 0)),
+                seq(bv)(lambda i, j, v: (i, 0, j, v)),
+                seq(dk)(lambda i, j, v: (i, 0, j, 0)),
+                core.block(None, None, t_len)(lambda i, j, v: (i, j, 0)),
+                state],
+      out_specs=[seq(bv)(lambda i, j, v: (i, 0, j, v)), states, state],
+      out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), acc),
+                 jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
+      num_stages=2, name="deltajax_state_forward")(w, u, k, g, initial_state)
+
+
+def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
+                  scale):
+  """Reverse scan for the state cotangent.
+
+  With ``dS`` the cotangent of a chunk's exit state::
+
+    dDelta = dDelta_local + (K e^{g_C - g}) dS
+    dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
+
+  Args:
+    q, k, w: ``[B, T, H, K]``; g: ``[B, H, T]``; d_o: ``[B, T, H, V]``;
+    d_delta_local: ``[B, T, H, V]`` float32, the output's share of dDelta;
+    d_final: ``[B, H, K, V]``.
+
+  Returns:
+    ``(d_delta [B, T, H, V], d_next [B, H, N, K, V], d_initial [B, H, K, V])``.
+  """
+  bsz, t_len, h, dk = q.shape
+  dv, bv = d_o.shape[-1], _v_blocks(d_o.shape[-1])
+  n = t_len // chunk_size
+  acc = d_final.dtype
+  seq = lambda d: core.block(None, t_len, None, d)
+  keys = seq(dk)(lambda i, j, v: (i, 0, j, 0))
+  vals = seq(bv)(lambda i, j, v: (i, 0, j, v))
+  state = core.block(None, None, dk, bv)(lambda i, j, v: (i, j, 0, v))
+  states = core.block(None, None, n, dk, bv)(lambda i, j, v: (i, j, 0, 0, v))
+  return core.call(
+      lambda *refs: _backward_kernel(*refs, chunk_size=chunk_size,
+                                     scale=scale),
+      grid=(bsz, h, dv // bv),
+      in_specs=[keys, keys, keys,
+                core.block(None, None, t_len)(lambda i, j, v: (i, j, 0)),
+                vals, vals, state],
+      out_specs=[vals, states, state],
+      out_shape=[jax.ShapeDtypeStruct(d_o.shape, acc),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), acc),
+                 jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
+      num_stages=2, name="deltajax_state_backward")(
+          q, k, w, g, d_o, d_delta_local, d_final)
