@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from deltajax import chunked
 from deltajax import common
+from deltajax import pallas
 from deltajax import scan
 
 IMPLEMENTATIONS = ("auto", "scan", "chunked", "pallas")
@@ -20,13 +21,20 @@ _FORMS = ("the accepted forms are q, k [B, T, H, K], v [B, T, H, V], "
           "q, k [T, K], v [T, V], a [T] or [T, K], b [T], initial_state [K, V]")
 
 
-def _implementation(impl: str) -> Callable:
-  """Maps an ``impl`` name to ``f(q, k, v, a, b, s0, scale, chunk_size)``."""
-  if impl == "scan":
-    return scan.gated_delta_scan
-  if impl == "pallas":
-    raise NotImplementedError("impl='pallas' is not available yet")
-  return chunked.gated_delta_chunked
+def _implementation(impl: str, per_channel: bool) -> Callable:
+  """Maps an ``impl`` name to ``f(q, k, v, a, b, s0, scale, chunk_size)``.
+
+  "auto" is the Pallas kernels on NVIDIA GPUs that Triton lowering supports
+  (compute capability >= 8.0) for the scalar gate, else "chunked".
+  """
+  if impl == "auto":
+    cc = pallas.gpu_capability()
+    use_pallas = (not per_channel and cc is not None
+                  and cc >= pallas.MIN_CAPABILITY)
+    impl = "pallas" if use_pallas else "chunked"
+  return {"scan": scan.gated_delta_scan,
+          "chunked": chunked.gated_delta_chunked,
+          "pallas": pallas.gated_delta_pallas}[impl]
 
 
 def _check_float(name: str, x) -> None:
@@ -115,9 +123,10 @@ def _run(q, k, v, a, b, initial_state, *, scale, impl, chunk_size):
   t = q.shape[1]
   padded = common.round_up(t, chunk_size)
   q, k, v, a, b = (common.pad_axis(x, 1, padded) for x in (q, k, v, a, b))
-  if a.ndim == 3:
+  per_channel = a.ndim == 4
+  if not per_channel:
     a = a[..., None]
-  o, final_state = _implementation(impl)(q, k, v, a, b,
+  o, final_state = _implementation(impl, per_channel)(q, k, v, a, b,
                                          initial_state.astype(dtype), scale,
                                          chunk_size)
   return o[:, :t], final_state

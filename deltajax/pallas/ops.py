@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from deltajax import common
 from deltajax.pallas import core
@@ -89,18 +88,13 @@ def _bwd(scale, chunk_size, residuals, cotangents):
       qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
   d_delta, d_next, d_initial = state.backward_scan(
       qp, kp, w, g, d_o, d_delta, d_final, chunk_size=chunk_size, scale=scale)
-  dk_ut, dv, db, dg_ut = ut.ut_backward(kp, vp, g, beta, t, w, u, states,
-                                        d_next, delta, d_delta,
-                                        chunk_size=chunk_size)
-  bsz, t_len, h, n_k = q.shape
-  dg = (dg_out + dg_ut).reshape(bsz, h, t_len // chunk_size, chunk_size)
-  da = lax.cumsum(dg, axis=3, reverse=True).reshape(bsz, h, t_len)
+  dk, dv, db, da = ut.ut_backward(
+      kp, vp, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,
+      dg_out, chunk_size=chunk_size)
+  n_k, n_v = q.shape[-1], v.shape[-1]
   da = jnp.transpose(da, (0, 2, 1))[..., None]
   db = jnp.transpose(db, (0, 2, 1))
-  n_v = v.shape[-1]
-  return (dq[..., :n_k].astype(q.dtype),
-          (dk_out + dk_ut)[..., :n_k].astype(k.dtype),
-          dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
+  return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da.astype(a.dtype),
           db.astype(b.dtype),
           d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
 

@@ -27,25 +27,30 @@ def _output_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, o_ref, *, scale):
 
 
 def _output_backward_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref,
-                            dq_ref, dk_ref, dg_ref, dd_ref, *, scale):
+                            dq_ref, dk_ref, dg_ref, dd_ref, *, scale, block_v):
   q, k = q_ref[...], k_ref[...]
   dtype, acc = q.dtype, s_ref.dtype
   g = g_ref[...].astype(acc)
-  d_o = do_ref[...].astype(dtype)
   scores, e = _scores(q, k, g, scale)
-  d_scores = core.mm(d_o, delta_ref[...].astype(dtype), trans_b=True)
-  dd_ref[...] = core.mm(scores.astype(dtype), d_o, trans_a=True)
+  scores_t = scores.astype(dtype)
+  d_scores, d_qg = 0, 0
+  for vs in core.blocks(dd_ref.shape[1], block_v):
+    d_o = do_ref[:, vs].astype(dtype)
+    d_scores += core.mm(d_o, delta_ref[:, vs].astype(dtype), trans_b=True)
+    d_qg += core.mm(d_o, s_ref[:, vs].astype(dtype), trans_b=True)
+    dd_ref[:, vs] = core.mm(scores_t, d_o, trans_a=True)
   qg = q.astype(acc) * (scale * jnp.exp(g))[:, None]
-  d_qg = core.mm(d_o, s_ref[...].astype(dtype), trans_b=True)
   d_qk = (d_scores * e * scale).astype(dtype)
-  dq_ref[...] = core.mm(d_qk, k) + d_qg * (scale * jnp.exp(g))[:, None]
+  dq_ref[...] = (core.mm(d_qk, k) + d_qg * (scale * jnp.exp(g))[:, None]
+                 ).astype(dq_ref.dtype)
   dk_ref[...] = core.mm(d_qk, q, trans_a=True)
   p = d_scores * scores
   dg_ref[...] = (jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
                  + jnp.sum(d_qg * qg, axis=1))
 
 
-def output(q, k, g, states, delta, *, chunk_size, scale, out_dtype):
+def output(q, k, g, states, delta, *, chunk_size, scale, out_dtype,
+           block_v=64, num_warps=4, num_stages=1):
   """Chunk outputs.
 
   Args:
@@ -57,7 +62,7 @@ def output(q, k, g, states, delta, *, chunk_size, scale, out_dtype):
   """
   bsz, t_len, h, dk = q.shape
   dv = delta.shape[-1]
-  bv, c = min(dv, 128), chunk_size
+  bv, c = min(dv, block_v), chunk_size
   keys = core.block(None, c, None, dk)(lambda i, j, n, v: (i, n, j, 0))
   vals = core.block(None, c, None, bv)(lambda i, j, n, v: (i, n, j, v))
   return core.call(
@@ -70,16 +75,17 @@ def output(q, k, g, states, delta, *, chunk_size, scale, out_dtype):
                 vals],
       out_specs=vals,
       out_shape=jax.ShapeDtypeStruct(delta.shape, out_dtype),
-      name="deltajax_output")(q, k, g, states, delta)
+      num_warps=num_warps, num_stages=num_stages, name="deltajax_output")(q, k, g, states, delta)
 
 
-def output_backward(q, k, g, states, delta, d_o, *, chunk_size, scale):
+def output_backward(q, k, g, states, delta, d_o, *, chunk_size, scale,
+                    block_v=64, num_warps=4, num_stages=2):
   """Cotangents that flow from the output, chunk by chunk.
 
   Returns:
-    ``(dq [B, T, H, K], dk [B, T, H, K], dg [B, H, T], d_delta [B, T, H, V])``
-    in float32: dq complete, dk and dg the output's share, d_delta the
-    output's share (``(Gamma * scale Q K^T)^T dO``).
+    ``(dq [B, T, H, K], dk [B, T, H, K], dg [B, H, T], d_delta [B, T, H, V])``:
+    dq complete in q's dtype; the output's shares of dk, dg and ``dDelta``
+    (``(Gamma * scale Q K^T)^T dO``) in float32.
   """
   bsz, t_len, h, dk = q.shape
   dv, c = delta.shape[-1], chunk_size
@@ -88,15 +94,17 @@ def output_backward(q, k, g, states, delta, d_o, *, chunk_size, scale):
   vals = core.block(None, c, None, dv)(lambda i, j, n: (i, n, j, 0))
   gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))
   return core.call(
-      lambda *refs: _output_backward_kernel(*refs, scale=scale),
+      lambda *refs: _output_backward_kernel(*refs, scale=scale,
+                                            block_v=block_v),
       grid=(bsz, h, t_len // c),
       in_specs=[keys, keys, gate,
                 core.block(None, None, None, dk, dv)(
                     lambda i, j, n: (i, j, n, 0, 0)),
                 vals, vals],
       out_specs=[keys, keys, gate, vals],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, acc),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct(q.shape, acc),
                  jax.ShapeDtypeStruct(g.shape, acc),
                  jax.ShapeDtypeStruct(delta.shape, acc)],
+      num_warps=num_warps, num_stages=num_stages,
       name="deltajax_output_backward")(q, k, g, states, delta, d_o)

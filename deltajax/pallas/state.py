@@ -50,7 +50,7 @@ def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
   def chunk(i, ds):
     n = n_chunks - 1 - i
     rows = pl.ds(n * c, c)
-    d_next_ref[n] = ds
+    d_next_ref[n] = ds.astype(d_next_ref.dtype)
     g = g_ref[rows].astype(acc)
     k_end, decay = _chunk_end(k_ref[rows, :].astype(acc), g)
     d_delta = dd_ref[rows, :] + core.mm(k_end.astype(dtype), ds.astype(dtype))
@@ -65,11 +65,8 @@ def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
                                      dfinal_ref[...].astype(acc))
 
 
-def _v_blocks(dv: int) -> int:
-  return min(dv, 64)
-
-
-def forward_scan(w, u, k, g, initial_state, *, chunk_size):
+def forward_scan(w, u, k, g, initial_state, *, chunk_size, block_v=32,
+                 num_warps=4, num_stages=3):
   """``Delta = U - W S`` and ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk.
 
   Args:
@@ -78,10 +75,10 @@ def forward_scan(w, u, k, g, initial_state, *, chunk_size):
 
   Returns:
     ``(delta [B, T, H, V] in u's dtype, states [B, H, N, K, V] (each chunk's
-    entry state), final_state [B, H, K, V])``.
+    entry state, in k's dtype), final_state [B, H, K, V])``.
   """
   bsz, t_len, h, dk = w.shape
-  dv, bv = u.shape[-1], _v_blocks(u.shape[-1])
+  dv, bv = u.shape[-1], min(u.shape[-1], block_v)
   n = t_len // chunk_size
   acc = initial_state.dtype
   seq = lambda d: core.block(None, t_len, None, d)
@@ -97,13 +94,14 @@ def forward_scan(w, u, k, g, initial_state, *, chunk_size):
                 state],
       out_specs=[seq(bv)(lambda i, j, v: (i, 0, j, v)), states, state],
       out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), acc),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), k.dtype),
                  jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
-      num_stages=2, name="deltajax_state_forward")(w, u, k, g, initial_state)
+      num_warps=num_warps, num_stages=num_stages,
+      name="deltajax_state_forward")(w, u, k, g, initial_state)
 
 
 def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
-                  scale):
+                  scale, block_v=64, num_warps=8, num_stages=2):
   """Reverse scan for the state cotangent.
 
   With ``dS`` the cotangent of a chunk's exit state::
@@ -117,10 +115,11 @@ def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
     d_final: ``[B, H, K, V]``.
 
   Returns:
-    ``(d_delta [B, T, H, V], d_next [B, H, N, K, V], d_initial [B, H, K, V])``.
+    ``(d_delta [B, T, H, V], d_next [B, H, N, K, V] in k's dtype, d_initial
+    [B, H, K, V])``.
   """
   bsz, t_len, h, dk = q.shape
-  dv, bv = d_o.shape[-1], _v_blocks(d_o.shape[-1])
+  dv, bv = d_o.shape[-1], min(d_o.shape[-1], block_v)
   n = t_len // chunk_size
   acc = d_final.dtype
   seq = lambda d: core.block(None, t_len, None, d)
@@ -137,7 +136,8 @@ def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
                 vals, vals, state],
       out_specs=[vals, states, state],
       out_shape=[jax.ShapeDtypeStruct(d_o.shape, acc),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), acc),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), k.dtype),
                  jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
-      num_stages=2, name="deltajax_state_backward")(
+      num_warps=num_warps, num_stages=num_stages,
+      name="deltajax_state_backward")(
           q, k, w, g, d_o, d_delta_local, d_final)

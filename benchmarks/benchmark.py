@@ -1,0 +1,244 @@
+"""Times every deltajax implementation, and fla when importable, on the same inputs.
+
+    python benchmarks/benchmark.py [--shapes 4,4096,16,128 ...] [--reps 20]
+        [--out DIR]
+
+For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates:
+forward and forward+backward of each implementation, median of ``--reps``
+runs after warm-up (``block_until_ready`` for JAX, CUDA events for PyTorch),
+and a decoding step timed inside a jitted loop of 100 steps. Prints a
+markdown table with ratios to fla, and writes ``results.md`` and
+``time_vs_t.png`` (time against T, log scale) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deltajax
+
+DEFAULT_SHAPES = ((4, 4096, 16, 128), (4, 2048, 16, 128), (2, 16384, 16, 128),
+                  (1, 8192, 96, 128), (8, 1024, 8, 64))
+SCAN_MAX_TOKENS = 4 * 4096  # B*T above which the token scan is skipped
+
+
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def make_inputs(shape, seed=0):
+  """numpy float32 q, k, v ``[B, T, H, D]``, a, b ``[B, T, H]``, do ``[B, T, H, D]``."""
+  bsz, t, h, d = shape
+  rng = np.random.default_rng(seed)
+  q, k, v, do = (rng.standard_normal((bsz, t, h, d), np.float32)
+                 for _ in range(4))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  a = -np.logaddexp(0, rng.standard_normal((bsz, t, h))).astype(np.float32) / 8
+  b = (1 / (1 + np.exp(-rng.standard_normal((bsz, t, h))))).astype(np.float32)
+  return q, k, v, a, b, do
+
+
+def median_ms(fn, reps: int) -> float:
+  """Median wall time of ``fn()`` (which must block) in ms, after two warm-ups."""
+  fn()
+  fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def time_jax(impl, inputs, reps):
+  """``(forward ms, forward+backward ms, o)`` for one deltajax implementation."""
+  q, k, v, a, b, do = inputs
+  q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  fwd = jax.jit(lambda q, k, v, a, b: deltajax.gated_delta(
+      q, k, v, a, b, impl=impl))
+
+  def loss(q, k, v, a, b):
+    o = deltajax.gated_delta(q, k, v, a, b, impl=impl)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  o = fwd(q, k, v, a, b).block_until_ready()
+  t_fwd = median_ms(lambda: fwd(q, k, v, a, b).block_until_ready(), reps)
+  t_bwd = median_ms(lambda: jax.block_until_ready(fwd_bwd(q, k, v, a, b)),
+                    reps)
+  return t_fwd, t_bwd, np.asarray(o, np.float32)
+
+
+def load_fla():
+  """fla's ``chunk_gated_delta_rule`` and torch, or None."""
+  try:
+    import torch
+    import fla.ops.common.chunk_o as fla_chunk_o
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+  except ImportError as e:
+    log(f"fla not importable ({e}); skipping it")
+    return None
+  if not torch.cuda.is_available():
+    return None
+  # fla refuses its GDN backward on Hopper with Triton < 3.7.1 (its #640);
+  # timing only, its dg/db are not trusted (ANCHORS.md).
+  fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+  return torch, chunk_gated_delta_rule
+
+
+def time_fla(fla, inputs, reps):
+  """``(forward ms, forward+backward ms, o)`` for fla, timed with CUDA events."""
+  torch, chunk_gated_delta_rule = fla
+  q, k, v, a, b, do = (torch.tensor(x, device="cuda") for x in inputs)
+  q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+  q, k, v = (x.requires_grad_() for x in (q, k, v))
+  a, b = a.requires_grad_(), b.requires_grad_()
+
+  def fwd():
+    return chunk_gated_delta_rule(q, k, v, a, b)[0]
+
+  def fwd_bwd():
+    fwd().backward(do)
+
+  def cuda_ms(fn):
+    for _ in range(3):
+      fn()
+    times = []
+    for _ in range(reps):
+      start = torch.cuda.Event(enable_timing=True)
+      end = torch.cuda.Event(enable_timing=True)
+      start.record()
+      fn()
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+  with torch.no_grad():
+    o = fwd().float().cpu().numpy()
+    t_fwd = cuda_ms(fwd)
+  return t_fwd, cuda_ms(fwd_bwd), o
+
+
+def time_decode_step(bsz=4, h=16, d=128, steps=100):
+  """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop."""
+  q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  a, b = jnp.asarray(a), jnp.asarray(b)
+
+  @jax.jit
+  def decode(state):
+    def step(t, carry):
+      state, acc = carry
+      o, state = deltajax.gated_delta_step(state, q[:, t], k[:, t], v[:, t],
+                                           a[:, t], b[:, t])
+      return state, acc + o[..., 0].astype(jnp.float32)
+    return jax.lax.fori_loop(0, steps, step,
+                             (state, jnp.zeros((bsz, h), jnp.float32)))
+
+  state = jnp.zeros((bsz, h, d, d), jnp.float32)
+  return median_ms(lambda: jax.block_until_ready(decode(state)), 20) * 1e3 / steps
+
+
+def rel_rms(x, ref):
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def implementations_for(shape):
+  bsz, t = shape[:2]
+  impls = ["chunked"]
+  if jax.default_backend() == "gpu":
+    impls.append("pallas")
+  if bsz * t <= SCAN_MAX_TOKENS:
+    impls.insert(0, "scan")
+  return impls
+
+
+def run(shapes, reps):
+  """Returns rows ``{shape, impl, fwd, fwd_bwd, err}`` (err: relative RMS vs chunked)."""
+  fla = load_fla()
+  rows = []
+  for shape in shapes:
+    inputs = make_inputs(shape)
+    results = {}
+    for impl in implementations_for(shape):
+      log(f"{shape} {impl} ...")
+      results[impl] = time_jax(impl, inputs, reps)
+    if fla is not None:
+      log(f"{shape} fla ...")
+      results["fla"] = time_fla(fla, inputs, reps)
+    ref = results["chunked"][2]
+    for impl, (t_fwd, t_bwd, o) in results.items():
+      rows.append(dict(shape=shape, impl=impl, fwd=t_fwd, fwd_bwd=t_bwd,
+                       err=rel_rms(o, ref)))
+      log(f"  {impl:8s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_bwd:8.3f} ms")
+  return rows
+
+
+def table(rows) -> str:
+  fla = {r["shape"]: r for r in rows if r["impl"] == "fla"}
+  lines = ["| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd / fla | "
+           "fwd+bwd / fla | o rel. RMS vs chunked |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    f = fla.get(r["shape"])
+    ratio = lambda key: f"{r[key] / f[key]:.2f}" if f else "-"
+    lines.append(
+        f"| {', '.join(map(str, r['shape']))} | {r['impl']} | {r['fwd']:.3f} "
+        f"| {r['fwd_bwd']:.3f} | {ratio('fwd')} | {ratio('fwd_bwd')} | "
+        f"{r['err']:.1e} |")
+  return "\n".join(lines)
+
+
+def plot(rows, path):
+  """Time against T (forward+backward, log scale), one line per implementation."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, key in zip(axes, ("fwd", "fwd_bwd")):
+    for impl in sorted({r["impl"] for r in rows}):
+      pts = sorted((r["shape"][0] * r["shape"][1] * r["shape"][2], r[key])
+                   for r in rows if r["impl"] == impl)
+      ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set(xscale="log", yscale="log", xlabel="tokens x heads (B*T*H)",
+           ylabel="ms", title=key.replace("_", "+"))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="*", default=None,
+                      help="B,T,H,D entries (default: the issue's list)")
+  parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = parser.parse_args()
+  shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.shapes)
+            if args.shapes else DEFAULT_SHAPES)
+  log(f"devices: {jax.devices()}  jax {jax.__version__}")
+  rows = run(shapes, args.reps)
+  decode_us = time_decode_step()
+  text = (f"{table(rows)}\n\nDecoding step (B=4, H=16, D=128, jitted loop of "
+          f"100 steps): {decode_us:.1f} us/step\n")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}\n\n"
+            + text)
+  plot(rows, os.path.join(args.out, "time_vs_t.png"))
+  print(text)
+
+
+if __name__ == "__main__":
+  main()

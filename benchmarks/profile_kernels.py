@@ -1,0 +1,89 @@
+"""Times each Pallas kernel of impl="pallas" on its own, with launch variants.
+
+    python benchmarks/profile_kernels.py [--shape 4,4096,16,128]
+
+Says where the time of the forward and backward goes and which block size,
+warp count and pipeline depth each kernel runs fastest with. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.benchmark import make_inputs, median_ms
+from deltajax.pallas import ops, output, state, ut
+
+VARIANTS = {
+    "ut_transform": [dict(num_warps=w, num_stages=s) for w, s in
+                     ((4, 2), (2, 1), (4, 1), (8, 1))],
+    "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
+                     ((16, 2, 2), (16, 4, 2), (32, 2, 2), (32, 4, 2),
+                      (32, 4, 3), (64, 4, 2), (64, 8, 2))],
+    "output": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
+               ((64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 1))],
+    "output_backward": [dict(block_v=bv, num_warps=w) for bv, w in
+                        ((64, 4), (64, 8), (128, 8))],
+    "backward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
+                      ((16, 2, 2), (16, 4, 2), (32, 4, 2), (32, 4, 3),
+                       (64, 4, 2), (64, 8, 2))],
+    "ut_backward": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
+                    ((64, 4, 2), (64, 8, 2), (128, 8, 1), (64, 4, 1))],
+}
+
+
+def stage_inputs(shape, c=64):
+  """Every kernel's inputs at ``shape``, computed once with the default launch."""
+  q, k, v, a, b, do = make_inputs(shape)
+  q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+  g, beta = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), c,
+                       jnp.float32)
+  s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
+  w, u, t = ut.ut_transform(k, v, g, beta, chunk_size=c)
+  delta, states, _ = state.forward_scan(w, u, k, g, s0, chunk_size=c)
+  _, _, _, dd_local = output.output_backward(q, k, g, states, delta, do,
+                                             chunk_size=c, scale=0.1)
+  d_delta, d_next, _ = state.backward_scan(q, k, w, g, do, dd_local, s0,
+                                           chunk_size=c, scale=0.1)
+  calls = {
+      "ut_transform": lambda **o: ut.ut_transform(k, v, g, beta, chunk_size=c,
+                                                  **o),
+      "forward_scan": lambda **o: state.forward_scan(w, u, k, g, s0,
+                                                     chunk_size=c, **o),
+      "output": lambda **o: output.output(q, k, g, states, delta, chunk_size=c,
+                                          scale=0.1, out_dtype=v.dtype, **o),
+      "output_backward": lambda **o: output.output_backward(
+          q, k, g, states, delta, do, chunk_size=c, scale=0.1, **o),
+      "backward_scan": lambda **o: state.backward_scan(
+          q, k, w, g, do, dd_local, s0, chunk_size=c, scale=0.1, **o),
+      "ut_backward": lambda **o: ut.ut_backward(
+          k, v, g, beta, t, w, u, states, d_next, delta, d_delta,
+          chunk_size=c, **o),
+  }
+  return calls
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shape", default="4,4096,16,128")
+  args = parser.parse_args()
+  shape = tuple(int(x) for x in args.shape.split(","))
+  calls = stage_inputs(shape)
+  print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
+  for name, variants in VARIANTS.items():
+    for opts in variants:
+      fn = jax.jit(functools.partial(calls[name], **opts))
+      try:
+        ms = median_ms(lambda: jax.block_until_ready(fn()), 20)
+        print(f"| {name} | {opts} | {ms:.3f} |", flush=True)
+      except Exception as e:  # a launch that does not compile (e.g. smem)
+        print(f"| {name} | {opts} | failed: {str(e).splitlines()[0][:80]} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+  main()

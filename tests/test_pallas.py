@@ -1,0 +1,102 @@
+"""impl="pallas" in Pallas interpret mode on the CPU (the GPU run: tests/test_gpu.py).
+
+Small shapes: every kernel runs element by element here.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deltajax
+from deltajax import pallas
+from deltajax.pallas import ut
+
+pytestmark = pytest.mark.skipif(
+    pallas.gpu_capability() is not None,
+    reason="interpret-mode checks; on a GPU run tests/test_gpu.py")
+
+
+def _inputs(shape, seed):
+  """numpy q, k (unit rows), v, a (GDN gate), b, initial state; cotangents."""
+  bsz, t, h, dk, dv = shape
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((bsz, t, h, dk))
+  k = rng.standard_normal((bsz, t, h, dk))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((bsz, t, h, dv))
+  a = -np.logaddexp(0, rng.standard_normal((bsz, t, h)))
+  b = rng.uniform(0.05, 1.95, (bsz, t, h))
+  s0 = rng.standard_normal((bsz, h, dk, dv))
+  cts = (rng.standard_normal((bsz, t, h, dv)),
+         rng.standard_normal((bsz, h, dk, dv)))
+  return (q, k, v, a, b, s0), cts
+
+
+def _value_and_grads(impl, args, cts, chunk_size):
+  def f(q, k, v, a, b, s0):
+    return deltajax.gated_delta(q, k, v, a, b, initial_state=s0, impl=impl,
+                                chunk_size=chunk_size, return_final_state=True)
+  out, vjp = jax.vjp(f, *args)
+  return out, vjp(tuple(jnp.asarray(c, x.dtype) for c, x in zip(cts, out)))
+
+
+# (B, T, H, K, V), chunk: T not a multiple of the chunk, head dims padded to a
+# power of two (20 -> 32, 100 -> 128: two V blocks), one chunk of 16.
+SHAPES = [((1, 50, 2, 20, 24), 32), ((2, 40, 1, 16, 100), 16),
+          ((1, 16, 1, 32, 16), 16)]
+
+
+@pytest.mark.parametrize("shape,chunk_size", SHAPES)
+def test_pallas_matches_chunked_in_float64(shape, chunk_size):
+  args, cts = _inputs(shape, seed=sum(shape) + chunk_size)
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in args)
+    got, got_grads = _value_and_grads("pallas", args, cts, chunk_size)
+    ref, ref_grads = _value_and_grads("chunked", args, cts, chunk_size)
+  for name, x, y in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
+                         "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
+    err = np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(y))
+    assert err < 1e-12, (name, err)
+
+
+def test_pallas_float32_matches_float64_reference():
+  shape = (1, 70, 2, 32, 32)
+  args, cts = _inputs(shape, seed=7)
+  args = tuple(jnp.asarray(x, jnp.float32) for x in args)
+  got, got_grads = _value_and_grads("pallas", args, cts, 32)
+  with jax.enable_x64(True):
+    ref, ref_grads = _value_and_grads(
+        "chunked", tuple(jnp.asarray(x, jnp.float64) for x in args), cts, 32)
+  for x, y in zip((*got, *got_grads), (*ref, *ref_grads)):
+    assert x.dtype == jnp.float32
+    rel = np.linalg.norm(np.asarray(x, np.float64) - y) / np.linalg.norm(y)
+    assert rel < 1e-4
+
+
+@pytest.mark.parametrize("beta", [1.0, 1.99])
+def test_inverse_is_stable_for_aligned_keys(beta):
+  """Identical keys: a power series of A would cancel catastrophically."""
+  c = 64
+  rng = np.random.default_rng(3)
+  k = np.tile(rng.standard_normal((1, 32)), (c, 1))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  a = np.tril(beta * (k @ k.T), -1)
+  expected = np.linalg.inv(np.eye(c) + a)
+  got = np.asarray(ut.invert_unit_lower(jnp.asarray(a, jnp.float32)))
+  assert np.max(np.abs(got - expected)) < 1e-4 * np.max(np.abs(expected))
+
+
+def test_pallas_rejects_per_channel_gate_and_small_chunks():
+  args, _ = _inputs((1, 16, 1, 16, 16), seed=1)
+  q, k, v, a, b, _ = (jnp.asarray(x, jnp.float32) for x in args)
+  with pytest.raises(NotImplementedError, match="per-channel"):
+    deltajax.kda(q, k, v, jnp.broadcast_to(a[..., None], q.shape), b,
+                 impl="pallas")
+  with pytest.raises(ValueError, match="chunk_size >= 16"):
+    deltajax.gated_delta(q, k, v, a, b, impl="pallas", chunk_size=8)
+
+
+def test_auto_is_chunked_without_gpu():
+  assert deltajax.api._implementation("auto", per_channel=False) is (
+      deltajax.chunked.gated_delta_chunked)
