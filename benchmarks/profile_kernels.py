@@ -19,20 +19,17 @@ from benchmarks.benchmark import make_inputs, median_ms
 from deltajax.pallas import ops, output, state, ut
 
 VARIANTS = {
-    "ut_transform": [dict(num_warps=w, num_stages=s) for w, s in
-                     ((4, 2), (2, 1), (4, 1), (8, 1))],
+    "ut_transform": [dict(num_warps=w, num_stages=1) for w in (2, 4, 8)],
     "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                     ((16, 2, 2), (16, 4, 2), (32, 2, 2), (32, 4, 2),
-                      (32, 4, 3), (64, 4, 2), (64, 8, 2))],
-    "output": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-               ((64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 1))],
+                     ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2))],
+    "output": [dict(block_v=bv, num_warps=w, num_stages=1) for bv, w in
+               ((64, 4), (128, 4), (64, 8))],
     "output_backward": [dict(block_v=bv, num_warps=w) for bv, w in
-                        ((64, 4), (64, 8), (128, 8))],
+                        ((32, 4), (64, 4), (64, 8))],
     "backward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                      ((16, 2, 2), (16, 4, 2), (32, 4, 2), (32, 4, 3),
-                       (64, 4, 2), (64, 8, 2))],
+                      ((32, 4, 3), (64, 4, 2), (64, 8, 2))],
     "ut_backward": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                    ((64, 4, 2), (64, 8, 2), (128, 8, 1), (64, 4, 1))],
+                    ((32, 4, 1), (64, 4, 1), (64, 4, 2), (64, 8, 1))],
 }
 
 
@@ -43,26 +40,26 @@ def stage_inputs(shape, c=64):
   g, beta = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), c,
                        jnp.float32)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
-  w, u, t = ut.ut_transform(k, v, g, beta, chunk_size=c)
-  delta, states, _ = state.forward_scan(w, u, k, g, s0, chunk_size=c)
-  _, _, _, dd_local = output.output_backward(q, k, g, states, delta, do,
+  w, u, t, k_end = ut.ut_transform(k, v, g, beta, chunk_size=c)
+  delta, states, _ = state.forward_scan(w, u, k_end, g, s0, chunk_size=c)
+  _, dk_out, dg_out, dd_local = output.output_backward(q, k, g, states, delta, do,
                                              chunk_size=c, scale=0.1)
-  d_delta, d_next, _ = state.backward_scan(q, k, w, g, do, dd_local, s0,
+  d_delta, d_next, _ = state.backward_scan(q, k_end, w, g, do, dd_local, s0,
                                            chunk_size=c, scale=0.1)
   calls = {
       "ut_transform": lambda **o: ut.ut_transform(k, v, g, beta, chunk_size=c,
                                                   **o),
-      "forward_scan": lambda **o: state.forward_scan(w, u, k, g, s0,
+      "forward_scan": lambda **o: state.forward_scan(w, u, k_end, g, s0,
                                                      chunk_size=c, **o),
       "output": lambda **o: output.output(q, k, g, states, delta, chunk_size=c,
                                           scale=0.1, out_dtype=v.dtype, **o),
       "output_backward": lambda **o: output.output_backward(
           q, k, g, states, delta, do, chunk_size=c, scale=0.1, **o),
       "backward_scan": lambda **o: state.backward_scan(
-          q, k, w, g, do, dd_local, s0, chunk_size=c, scale=0.1, **o),
+          q, k_end, w, g, do, dd_local, s0, chunk_size=c, scale=0.1, **o),
       "ut_backward": lambda **o: ut.ut_backward(
-          k, v, g, beta, t, w, u, states, d_next, delta, d_delta,
-          chunk_size=c, **o),
+          k, v, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,
+          dg_out, chunk_size=c, **o),
   }
   return calls
 

@@ -81,6 +81,11 @@ def block(*shape):
   return spec
 
 
+def accumulator(dtype):
+  """float32, or float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def mm(a, b, *, trans_a=False, trans_b=False):
   """2-D matrix product with float32 accumulation (float64 for float64).
 
@@ -89,7 +94,7 @@ def mm(a, b, *, trans_a=False, trans_b=False):
   they are.
   """
   dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  acc = jnp.promote_types(a.dtype, jnp.float32)
+  acc = accumulator(a.dtype)
   precision = lax.Precision.HIGHEST
   if a.dtype == jnp.float32 and not interpret_mode():
     precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3

@@ -53,8 +53,8 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, s0 = _padded(q, k, v, initial_state)
-  w, u, _ = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
-  delta, states, final = state.forward_scan(w, u, kp, g, s0,
+  w, u, _, k_end = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
+  delta, states, final = state.forward_scan(w, u, k_end, g, s0,
                                             chunk_size=chunk_size)
   o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
                     scale=scale, out_dtype=v.dtype)
@@ -83,11 +83,12 @@ def _bwd(scale, chunk_size, residuals, cotangents):
   qp, kp, vp, _ = _padded(q, k, v, initial_state)
   d_o = common.pad_axis(d_o.astype(v.dtype), 3, vp.shape[-1])
   d_final = _padded(q, k, v, d_final.astype(acc))[3]
-  w, u, t = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
+  w, u, t, k_end = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
   dq, dk_out, dg_out, d_delta = output.output_backward(
       qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
   d_delta, d_next, d_initial = state.backward_scan(
-      qp, kp, w, g, d_o, d_delta, d_final, chunk_size=chunk_size, scale=scale)
+      qp, k_end, w, g, d_o, d_delta, d_final, chunk_size=chunk_size,
+      scale=scale)
   dk, dv, db, da = ut.ut_backward(
       kp, vp, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,
       dg_out, chunk_size=chunk_size)

@@ -17,7 +17,7 @@ def _scores(q, k, g, scale):
 
 def _output_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, o_ref, *, scale):
   q, k = q_ref[...], k_ref[...]
-  dtype, acc = q.dtype, s_ref.dtype
+  dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   scores, _ = _scores(q, k, g, scale)
   qg = q.astype(acc) * (scale * jnp.exp(g))[:, None]
@@ -29,7 +29,7 @@ def _output_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, o_ref, *, scale):
 def _output_backward_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref,
                             dq_ref, dk_ref, dg_ref, dd_ref, *, scale, block_v):
   q, k = q_ref[...], k_ref[...]
-  dtype, acc = q.dtype, s_ref.dtype
+  dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   scores, e = _scores(q, k, g, scale)
   scores_t = scores.astype(dtype)
@@ -89,7 +89,7 @@ def output_backward(q, k, g, states, delta, d_o, *, chunk_size, scale,
   """
   bsz, t_len, h, dk = q.shape
   dv, c = delta.shape[-1], chunk_size
-  acc = states.dtype
+  acc = core.accumulator(q.dtype)
   keys = core.block(None, c, None, dk)(lambda i, j, n: (i, n, j, 0))
   vals = core.block(None, c, None, dv)(lambda i, j, n: (i, n, j, 0))
   gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))

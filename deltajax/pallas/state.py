@@ -16,13 +16,7 @@ from jax.experimental import pallas as pl
 from deltajax.pallas import core
 
 
-def _chunk_end(k, g):
-  """``(K e^{g_C - g}, e^{g_C})`` for one chunk; ``g`` ``[C]``."""
-  g_end = core.last(g)
-  return k * jnp.exp(g_end - g)[:, None], jnp.exp(g_end)
-
-
-def _forward_kernel(w_ref, u_ref, k_ref, g_ref, s0_ref,
+def _forward_kernel(w_ref, u_ref, k_end_ref, g_ref, s0_ref,
                     delta_ref, states_ref, final_ref, *, chunk_size):
   c = chunk_size
   dtype, acc = w_ref.dtype, final_ref.dtype
@@ -32,15 +26,15 @@ def _forward_kernel(w_ref, u_ref, k_ref, g_ref, s0_ref,
     states_ref[n] = s.astype(states_ref.dtype)
     delta = u_ref[rows, :].astype(acc) - core.mm(w_ref[rows, :], s.astype(dtype))
     delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-    k_end, decay = _chunk_end(k_ref[rows, :].astype(acc), g_ref[rows].astype(acc))
-    return decay * s + core.mm(k_end.astype(dtype), delta.astype(dtype),
+    decay = jnp.exp(core.last(g_ref[rows].astype(acc)))
+    return decay * s + core.mm(k_end_ref[rows, :], delta.astype(dtype),
                                trans_a=True)
 
   s = lax.fori_loop(0, w_ref.shape[0] // c, chunk, s0_ref[...].astype(acc))
   final_ref[...] = s
 
 
-def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
+def _backward_kernel(q_ref, k_end_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
                      d_delta_ref, d_next_ref, d_initial_ref, *, chunk_size,
                      scale):
   c = chunk_size
@@ -52,8 +46,8 @@ def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     rows = pl.ds(n * c, c)
     d_next_ref[n] = ds.astype(d_next_ref.dtype)
     g = g_ref[rows].astype(acc)
-    k_end, decay = _chunk_end(k_ref[rows, :].astype(acc), g)
-    d_delta = dd_ref[rows, :] + core.mm(k_end.astype(dtype), ds.astype(dtype))
+    decay = jnp.exp(core.last(g))
+    d_delta = dd_ref[rows, :] + core.mm(k_end_ref[rows, :], ds.astype(dtype))
     d_delta_ref[rows, :] = d_delta
     qg = (q_ref[rows, :].astype(acc) * (scale * jnp.exp(g))[:, None])
     return (core.mm(qg.astype(dtype), do_ref[rows, :].astype(dtype),
@@ -65,12 +59,12 @@ def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
                                      dfinal_ref[...].astype(acc))
 
 
-def forward_scan(w, u, k, g, initial_state, *, chunk_size, block_v=32,
+def forward_scan(w, u, k_end, g, initial_state, *, chunk_size, block_v=32,
                  num_warps=4, num_stages=3):
   """``Delta = U - W S`` and ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk.
 
   Args:
-    w, k: ``[B, T, H, K]``; u: ``[B, T, H, V]``; g: ``[B, H, T]``;
+    w, k_end: ``[B, T, H, K]``; u: ``[B, T, H, V]``; g: ``[B, H, T]``;
     initial_state: ``[B, H, K, V]`` float32 (float64 in interpret mode).
 
   Returns:
@@ -94,13 +88,13 @@ def forward_scan(w, u, k, g, initial_state, *, chunk_size, block_v=32,
                 state],
       out_specs=[seq(bv)(lambda i, j, v: (i, 0, j, v)), states, state],
       out_shape=[jax.ShapeDtypeStruct(u.shape, u.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), k.dtype),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), w.dtype),
                  jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
       num_warps=num_warps, num_stages=num_stages,
-      name="deltajax_state_forward")(w, u, k, g, initial_state)
+      name="deltajax_state_forward")(w, u, k_end, g, initial_state)
 
 
-def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
+def backward_scan(q, k_end, w, g, d_o, d_delta_local, d_final, *, chunk_size,
                   scale, block_v=64, num_warps=8, num_stages=2):
   """Reverse scan for the state cotangent.
 
@@ -110,7 +104,7 @@ def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
     dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
 
   Args:
-    q, k, w: ``[B, T, H, K]``; g: ``[B, H, T]``; d_o: ``[B, T, H, V]``;
+    q, k_end, w: ``[B, T, H, K]``; g: ``[B, H, T]``; d_o: ``[B, T, H, V]``;
     d_delta_local: ``[B, T, H, V]`` float32, the output's share of dDelta;
     d_final: ``[B, H, K, V]``.
 
@@ -136,8 +130,8 @@ def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
                 vals, vals, state],
       out_specs=[vals, states, state],
       out_shape=[jax.ShapeDtypeStruct(d_o.shape, acc),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), k.dtype),
+                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), w.dtype),
                  jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
       num_warps=num_warps, num_stages=num_stages,
       name="deltajax_state_backward")(
-          q, k, w, g, d_o, d_delta_local, d_final)
+          q, k_end, w, g, d_o, d_delta_local, d_final)

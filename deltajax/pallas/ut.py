@@ -1,14 +1,13 @@
 """UT transform kernel: per chunk, ``T = (I + strictLower(A))^-1``, ``W`` and ``U``.
 
 ``A = diag(b) (Gamma * K K^T)`` (GDN seed, section 2.3) is strictly lower, so
-``I + A`` is unit lower triangular: never singular, no pivoting. ``T`` is
-found by forward substitution, which stays accurate where power series of
-``A`` cancel catastrophically (aligned keys with ``b`` near 2), but with full
-chunk dots instead of ``C`` serial steps: the 16 x 16 diagonal blocks are
-substituted together, one row of each per step (15 steps), then the blocks
-below them one block row at a time,
-``T[i, :i] = -T[i, i] A[i, :i] T[:i, :i]``.
-Then ``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``.
+``I + A`` is unit lower triangular: never singular, no pivoting. It is
+inverted by blocks of 16: each diagonal block by forward substitution, the
+blocks below by block forward substitution,
+``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``, with dots of Triton's minimum
+size. Substitution, unlike a power series of ``A``, stays accurate for
+aligned keys with ``b`` near 2 (tests/test_pallas.py). Then
+``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``.
 """
 
 from __future__ import annotations
@@ -17,25 +16,39 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from deltajax.pallas import core
 from deltajax.pallas.core import SUB
 
 
-def invert_unit_lower(a):
-  """``(I + a)^-1`` for a strictly lower ``[C, C]`` value, C a multiple of 16."""
+def _invert_unit_lower_block(a):
+  """``(I + a)^-1`` for a strictly lower ``[16, 16]`` value, row by row."""
   rows, cols = core.iota(a.shape, 0), core.iota(a.shape, 1)
   eye = (rows == cols).astype(a.dtype)
-  block_row, block_col = rows // SUB, cols // SUB
-  diagonal = jnp.where(block_row == block_col, a, 0)
   t = eye
-  for r in range(1, SUB):
-    at_r = rows % SUB == r
-    t = jnp.where(at_r, eye - core.mm(jnp.where(at_r, diagonal, 0), t), t)
-  for i in range(1, a.shape[0] // SUB):
-    left = (block_row == i) & (block_col < i)
-    t_ii = jnp.where((block_row == i) & (block_col == i), t, 0)
-    t = jnp.where(left, -core.mm(t_ii, core.mm(jnp.where(left, a, 0), t)), t)
+  for r in range(1, a.shape[0]):
+    # T[r] = e_r - sum_{j < r} a[r, j] T[j]; rows j < r of t are final.
+    a_r = jnp.sum(jnp.where(rows == r, a, 0), axis=0)
+    t = jnp.where(rows == r, eye - jnp.sum(a_r[:, None] * t, axis=0), t)
+  return t
+
+
+def inverse_blocks(a_block, n: int):
+  """Blocks ``T[i, j]`` (``j <= i``) of ``(I + A)^-1``, A strictly lower.
+
+  Args:
+    a_block: ``a_block(i, j)`` gives the ``[16, 16]`` block ``A[i, j]``
+      (``j <= i``), strictly lower when ``i == j``.
+    n: number of 16-blocks in the chunk.
+  """
+  t = {}
+  for i in range(n):
+    a = {m: a_block(i, m) for m in range(i + 1)}
+    t[i, i] = _invert_unit_lower_block(a[i])
+    for j in range(i):
+      t[i, j] = -core.mm(t[i, i], sum(core.mm(a[m], t[m, j])
+                                      for m in range(j, i)))
   return t
 
 
@@ -45,22 +58,40 @@ def kk_matrix(k, g):
   return core.mm(k, k, trans_b=True) * e, e
 
 
-def _ut_kernel(k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, t_ref):
-  """One chunk: ``k [C, K]``, ``v [C, V]``, ``g, b [C]`` -> ``W``, ``U``, ``T [C, C]``."""
-  k = k_ref[...]
-  dtype, acc = k.dtype, t_ref.dtype
-  g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
-  kk, _ = kk_matrix(k, g)
-  t = invert_unit_lower(beta[:, None] * kk)
-  t_ref[...] = t
-  t = t.astype(dtype)
-  x_k = beta[:, None] * jnp.exp(g)[:, None] * k.astype(acc)
-  w_ref[...] = core.mm(t, x_k.astype(dtype)).astype(w_ref.dtype)
-  x_v = beta[:, None] * v_ref[...].astype(acc)
-  u_ref[...] = core.mm(t, x_v.astype(dtype)).astype(u_ref.dtype)
+def _ut_kernel(k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, t_ref, k_end_ref):
+  """One chunk: ``k [C, K]``, ``v [C, V]``, ``g, b [C]`` -> ``W``, ``U``,
+  ``T [C, C]`` and the keys decayed to the chunk end ``K e^{g_C - g}``."""
+  n = k_ref.shape[0] // SUB
+  sub = [pl.ds(i * SUB, SUB) for i in range(n)]
+  dtype, acc = k_ref.dtype, t_ref.dtype
+  k = [k_ref[s, :] for s in sub]
+  g = [g_ref[s].astype(acc) for s in sub]
+  beta = [b_ref[s].astype(acc) for s in sub]
+
+  def a_block(i, j):
+    mask = core.causal(SUB, strict=True) if i == j else True
+    return (beta[i][:, None] * core.mm(k[i], k[j], trans_b=True)
+            * core.decay(g[i], g[j], mask))
+
+  t = inverse_blocks(a_block, n)
+  x_k = [(beta[j][:, None] * jnp.exp(g[j])[:, None] * k[j].astype(acc)
+          ).astype(dtype) for j in range(n)]
+  x_v = [(beta[j][:, None] * v_ref[sub[j], :].astype(acc)).astype(dtype)
+         for j in range(n)]
+  g_end = core.last(g[-1])
+  for i in range(n):
+    t_i = [t[i, j].astype(dtype) for j in range(i + 1)]
+    w_ref[sub[i], :] = sum(core.mm(t_i[j], x_k[j]) for j in range(i + 1)
+                           ).astype(w_ref.dtype)
+    u_ref[sub[i], :] = sum(core.mm(t_i[j], x_v[j]) for j in range(i + 1)
+                           ).astype(u_ref.dtype)
+    k_end_ref[sub[i], :] = (k[i].astype(acc) * jnp.exp(g_end - g[i])[:, None]
+                            ).astype(k_end_ref.dtype)
+    for j in range(n):
+      t_ref[sub[i], sub[j]] = t[i, j] if j <= i else jnp.zeros((SUB, SUB), acc)
 
 
-def ut_transform(k, v, g, b, *, chunk_size, num_warps=4, num_stages=1):
+def ut_transform(k, v, g, b, *, chunk_size, num_warps=2, num_stages=1):
   """UT transform of every chunk.
 
   Args:
@@ -68,24 +99,27 @@ def ut_transform(k, v, g, b, *, chunk_size, num_warps=4, num_stages=1):
     g: ``[B, H, T]`` chunk-local cumulative log gate; b: ``[B, H, T]``.
 
   Returns:
-    ``(w [B, T, H, K], u [B, T, H, V], t [B, H, T, C])``: W and U in k's
-    dtype, and the inverse ``T`` of each chunk (the chunk's ``[C, C]`` block
-    at its rows) in float32 (float64 for float64 inputs).
+    ``(w [B, T, H, K], u [B, T, H, V], t [B, H, T, C], k_end [B, T, H, K])``:
+    W, U and ``K e^{g_C - g}`` in k's dtype, and the inverse ``T`` of each
+    chunk (the chunk's ``[C, C]`` block at its rows) in float32 (float64 for
+    float64 inputs).
   """
   bsz, t_len, h, dk = k.shape
   dv = v.shape[-1]
   c = chunk_size
   tok = lambda d: core.block(None, c, None, d)(lambda i, j, n: (i, n, j, 0))
   gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))
-  acc = jnp.promote_types(k.dtype, jnp.float32)
+  acc = core.accumulator(k.dtype)
   return core.call(
       _ut_kernel, grid=(bsz, h, t_len // c),
       in_specs=[tok(dk), tok(dv), gate, gate],
       out_specs=[tok(dk), tok(dv),
-                 core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0))],
+                 core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0)),
+                 tok(dk)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, t_len, c), acc)],
+                 jax.ShapeDtypeStruct((bsz, h, t_len, c), acc),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype)],
       num_warps=num_warps, num_stages=num_stages,
       name="deltajax_ut_transform")(k, v, g, b)
 
