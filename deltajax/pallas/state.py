@@ -60,7 +60,7 @@ def _backward_kernel(q_ref, k_end_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
 
 
 def forward_scan(w, u, k_end, g, initial_state, *, chunk_size, block_v=32,
-                 num_warps=4, num_stages=3):
+                 num_warps=4, num_stages=2):
   """``Delta = U - W S`` and ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk.
 
   Args:
