@@ -25,7 +25,6 @@ reverse; it stores only the chunk-entry states.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -110,30 +109,7 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
                                           initial_state)
   o = ((c.q * jnp.exp(c.g)) @ states
        + common.decayed_scores(c.q, c.k, c.g, c.g, strict=False) @ delta)
-  return common.from_chunks(o).astype(v.dtype), final_state, states
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def gated_delta_chunked(q, k, v, a, b, initial_state, scale, chunk_size):
-  """Chunkwise gated delta rule.
-
-  Args:
-    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; any float dtypes.
-    a: ``[B, T, H, G]`` log decay, ``G`` in ``{1, K}``; b: ``[B, T, H]``.
-    initial_state: ``[B, H, K, V]`` in the compute dtype.
-    scale: multiplies q. chunk_size: C; divides T.
-
-  Returns:
-    ``(o, final_state)``: ``[B, T, H, V]`` in v's dtype, ``[B, H, K, V]``.
-  """
-  o, final_state, _ = _forward(q, k, v, a, b, initial_state, scale, chunk_size)
-  return o, final_state
-
-
-def _fwd(q, k, v, a, b, initial_state, scale, chunk_size):
-  o, final_state, states = _forward(q, k, v, a, b, initial_state, scale,
-                                    chunk_size)
-  return (o, final_state), (q, k, v, a, b, states)
+  return (common.from_chunks(o).astype(v.dtype), final_state), states
 
 
 def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, kk):
@@ -156,8 +132,8 @@ def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, kk):
   return dk, d_x[..., n_k:], dg, db
 
 
-def _bwd(scale, chunk_size, residuals, cotangents):
-  q, k, v, a, b, states = residuals
+def _backward(scale, chunk_size, inputs, states, cotangents):
+  q, k, v, a, b, _ = inputs
   d_o, d_final = cotangents
   dtype = states.dtype
   c = _prepare(q, k, v, a, b, scale, chunk_size, dtype)
@@ -198,4 +174,5 @@ def _bwd(scale, chunk_size, residuals, cotangents):
             for d, x in zip(grads, (q, k, v, a, b))), d_initial)
 
 
-gated_delta_chunked.defvjp(_fwd, _bwd)
+gated_delta_chunked = common.implementation(
+    _forward, _backward, summary="Chunkwise gated delta rule (UT transform).")

@@ -12,6 +12,8 @@ Conventions used throughout deltajax:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -133,3 +135,46 @@ def token_step(state, q, k, v, a, b):
   state = state + k[..., :, None] * residual[..., None, :]
   o = jnp.einsum("...k,...kv->...v", q, state)
   return state, o
+
+
+IMPLEMENTATION_DOC = """{summary}
+
+  Args:
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; any float dtypes.
+    a: ``[B, T, H, G]`` log decay, ``G`` in ``{{1, K}}``{gates}; b: ``[B, T, H]``.
+    initial_state: ``[B, H, K, V]`` in the compute dtype.
+    scale: multiplies q. chunk_size: C; divides T.
+
+  Returns:
+    ``(o, final_state)``: ``[B, T, H, V]`` in v's dtype, ``[B, H, K, V]``.
+  """
+
+
+def implementation(forward, backward, *, summary: str, gates: str = ""):
+  """Builds an implementation ``f(q, k, v, a, b, initial_state, scale, chunk_size)``.
+
+  Every implementation has the signature and contract of
+  :data:`IMPLEMENTATION_DOC` and a ``jax.custom_vjp``:
+
+  * ``forward(q, k, v, a, b, initial_state, scale, chunk_size)`` returns
+    ``((o, final_state), saved)``;
+  * ``backward(scale, chunk_size, inputs, saved, (d_o, d_final))`` returns
+    the cotangents of the six array inputs, in their dtypes.
+  """
+
+  def f(q, k, v, a, b, initial_state, scale, chunk_size):
+    return forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
+
+  f.__doc__ = IMPLEMENTATION_DOC.format(summary=summary, gates=gates)
+  f = jax.custom_vjp(f, nondiff_argnums=(6, 7))
+
+  def fwd(*args):
+    outputs, saved = forward(*args)
+    return outputs, (args[:6], saved)
+
+  def bwd(scale, chunk_size, residuals, cotangents):
+    inputs, saved = residuals
+    return backward(scale, chunk_size, inputs, saved, cotangents)
+
+  f.defvjp(fwd, bwd)
+  return f

@@ -8,8 +8,6 @@ gradients are those of autodiff through the plain scan.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,34 +47,11 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
     return new_state, (state, o)
 
   final_state, (states, o) = lax.scan(chunk, initial_state, xs)
-  return _batch_major(o).astype(v.dtype), final_state, states
+  return (_batch_major(o).astype(v.dtype), final_state), states
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def gated_delta_scan(q, k, v, a, b, initial_state, scale, chunk_size):
-  """Token-by-token gated delta rule.
-
-  Args:
-    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; any float dtypes.
-    a: ``[B, T, H, G]`` log decay, ``G`` in ``{1, K}``; b: ``[B, T, H]``.
-    initial_state: ``[B, H, K, V]`` in the compute dtype.
-    scale: multiplies q. chunk_size: checkpoint interval; divides T.
-
-  Returns:
-    ``(o, final_state)``: ``[B, T, H, V]`` in v's dtype, ``[B, H, K, V]``.
-  """
-  o, final_state, _ = _forward(q, k, v, a, b, initial_state, scale, chunk_size)
-  return o, final_state
-
-
-def _fwd(q, k, v, a, b, initial_state, scale, chunk_size):
-  o, final_state, states = _forward(q, k, v, a, b, initial_state, scale,
-                                    chunk_size)
-  return (o, final_state), (q, k, v, a, b, states)
-
-
-def _bwd(scale, chunk_size, residuals, cotangents):
-  q, k, v, a, b, states = residuals
+def _backward(scale, chunk_size, inputs, states, cotangents):
+  q, k, v, a, b, _ = inputs
   d_o, d_final = cotangents
   dtype = states.dtype
   xs = _prepare(q, k, v, a, b, scale, chunk_size, dtype)
@@ -96,4 +71,6 @@ def _bwd(scale, chunk_size, residuals, cotangents):
           da.astype(a.dtype), db.astype(b.dtype), d_initial)
 
 
-gated_delta_scan.defvjp(_fwd, _bwd)
+gated_delta_scan = common.implementation(
+    _forward, _backward,
+    summary="Token-by-token gated delta rule (chunk_size: checkpoint interval).")

@@ -10,8 +10,6 @@ UT transform: memory ``O(T (K + V) + (T / C) K V)`` per head.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -58,25 +56,13 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
                                             chunk_size=chunk_size)
   o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
                     scale=scale, out_dtype=v.dtype)
-  dk, dv = q.shape[-1], v.shape[-1]
-  return (o[..., :dv], final[..., :dk, :dv]), (states, delta)
+  n_k, n_v = q.shape[-1], v.shape[-1]
+  return (o[..., :n_v], final[..., :n_k, :n_v]), (states, delta)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def gated_delta_pallas(q, k, v, a, b, initial_state, scale, chunk_size):
-  """Gated delta rule with Pallas (Triton) kernels; same contract as
-  :func:`deltajax.chunked.gated_delta_chunked`, scalar gate ``a [B, T, H, 1]``."""
-  return _forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
-
-
-def _fwd(q, k, v, a, b, initial_state, scale, chunk_size):
-  outs, (states, delta) = _forward(q, k, v, a, b, initial_state, scale,
-                                   chunk_size)
-  return outs, (q, k, v, a, b, initial_state, states, delta)
-
-
-def _bwd(scale, chunk_size, residuals, cotangents):
-  q, k, v, a, b, initial_state, states, delta = residuals
+def _backward(scale, chunk_size, inputs, saved, cotangents):
+  q, k, v, a, b, initial_state = inputs
+  states, delta = saved
   d_o, d_final = cotangents
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
@@ -100,4 +86,7 @@ def _bwd(scale, chunk_size, residuals, cotangents):
           d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
 
 
-gated_delta_pallas.defvjp(_fwd, _bwd)
+gated_delta_pallas = common.implementation(
+    _forward, _backward,
+    summary="Gated delta rule with Pallas (Triton) kernels.",
+    gates="; only G = 1 (Gated DeltaNet)")

@@ -1,0 +1,263 @@
+"""The gated delta rule across devices, with ``jax.shard_map`` over a user's mesh.
+
+Batch and head sharding need no communication: every (sequence, head) pair
+is independent. Under ``jax.jit``, :func:`deltajax.gated_delta` with inputs
+sharded over B or H already compiles without gathers for impl "scan" and
+"chunked". :func:`gated_delta_sharded` does the same explicitly with
+``shard_map``; it is what impl "pallas" needs, since XLA cannot partition a
+``pallas_call``.
+
+Sequence (context) parallelism splits T into one segment per device.
+Because the state update is affine in the state, a segment maps its initial
+state to its final state as ``S_out = F S_in + G`` (``F`` is ``K x K``), and
+each of its outputs is ``o_t = o_t^0 + P_t S_in`` with ``o^0`` the output
+from the zero state and ``P_t = scale q_t^T F_{<=t}``. The recurrence acts
+on every value column on its own, so one call of
+:func:`deltajax.gated_delta` per device with ``K`` extra value columns,
+``v = [v, 0]`` and initial state ``[0, I]``, yields all four: outputs
+``[o^0, P]`` and final state ``[G, F]``. The devices then all-gather the
+small ``(F, G)`` pairs, scan them from ``initial_state`` to the state that
+enters each segment, and correct their outputs with one matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from deltajax import api
+from deltajax import common
+
+
+def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
+                        head_axis=None, scale=None, initial_state=None,
+                        return_final_state=False, impl="auto", chunk_size=64):
+  """:func:`deltajax.gated_delta` with B and/or H split over axes of ``mesh``.
+
+  Each device runs its slice with no communication.
+
+  Args:
+    q, k, v, a, b, initial_state: as for :func:`deltajax.gated_delta`, in the
+      ``[B, T, H, ...]`` form (``a`` of q's shape is KDA's per-channel gate).
+    mesh: a ``jax.sharding.Mesh``.
+    batch_axis, head_axis: mesh axis names that split B and H (None: not
+      split); B and H must be divisible by their sizes.
+    scale, return_final_state, impl, chunk_size: as for
+      :func:`deltajax.gated_delta`.
+
+  Returns:
+    ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, sharded like the inputs.
+  """
+  q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
+  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
+  _check_inputs(q, k, v, a, b, initial_state, options)
+  _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis)
+  initial_state = _initial_state(q, k, v, initial_state)
+  o, final_state = _sharded(q, k, v, a, b, initial_state, mesh=mesh,
+                            batch_axis=batch_axis, head_axis=head_axis,
+                            **options)
+  return (o, final_state) if return_final_state else o
+
+
+def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
+                                  scale=None, initial_state=None,
+                                  return_final_state=False, impl="auto",
+                                  chunk_size=64, batch_axis=None,
+                                  head_axis=None):
+  """:func:`deltajax.gated_delta` with T split across the devices of a mesh axis.
+
+  Device ``d`` of ``axis_name`` holds tokens ``[d T / D, (d + 1) T / D)``;
+  ``D`` must divide T (and ``T / D`` is best a multiple of ``chunk_size``).
+
+  Cost per device, against one device running the whole sequence: its
+  segment with ``V + K`` value columns instead of ``V``, one all-gather of
+  ``D`` arrays ``[B, H, K, K + V]``, ``D`` matmuls ``[K, K] x [K, V]`` per
+  (batch, head), and one ``[T / D, K] x [K, V]`` matmul per (batch, head).
+  Gradients are those of autodiff through this computation.
+
+  Args:
+    q, k, v, a, b, initial_state: as for :func:`deltajax.gated_delta`, in the
+      ``[B, T, H, ...]`` form (``a`` of q's shape is KDA's per-channel gate).
+    mesh: a ``jax.sharding.Mesh``.
+    axis_name: the mesh axis that splits T.
+    scale, return_final_state, impl, chunk_size: as for
+      :func:`deltajax.gated_delta`.
+    batch_axis, head_axis: optional further mesh axes that split B and H.
+
+  Returns:
+    ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, as
+    :func:`deltajax.gated_delta` returns them.
+  """
+  q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
+  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
+  _check_inputs(q, k, v, a, b, initial_state, options)
+  _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis,
+              axis_name=axis_name)
+  if q.shape[1] % mesh.shape[axis_name]:
+    raise ValueError(
+        f"T = {q.shape[1]} is not divisible by the {mesh.shape[axis_name]} "
+        f"devices of mesh axis {axis_name!r}. Pad the sequence at its end "
+        f"with tokens a = 0, b = 0 (they leave the state unchanged) and drop "
+        f"their outputs.")
+  initial_state = _initial_state(q, k, v, initial_state)
+  o, final_state = _sequence_parallel(
+      q, k, v, a, b, initial_state, mesh=mesh, axis_name=axis_name,
+      batch_axis=batch_axis, head_axis=head_axis, **options)
+  return (o, final_state) if return_final_state else o
+
+
+def _check_inputs(q, k, v, a, b, initial_state, options) -> None:
+  """Raises :func:`deltajax.gated_delta`'s errors for the global shapes."""
+  shapes = [None if x is None else jax.ShapeDtypeStruct(jnp.shape(x),
+                                                        jnp.result_type(x))
+            for x in (q, k, v, a, b, initial_state)]
+  jax.eval_shape(
+      lambda *x: api.gated_delta(*x[:5], initial_state=x[5], **options),
+      *shapes)
+  if q.ndim != 4:
+    raise ValueError(f"across devices, q, k must have shape [B, T, H, K]; got "
+                     f"q {tuple(q.shape)}")
+
+
+def _check_axes(q, mesh, **axes) -> None:
+  """Checks that the named axes exist, are distinct and divide B and H."""
+  named = {role: axis for role, axis in axes.items() if axis is not None}
+  for role, axis in named.items():
+    if axis not in mesh.axis_names:
+      raise ValueError(f"{role}={axis!r} is not an axis of the mesh; its axes "
+                       f"are {mesh.axis_names}")
+  if len(set(named.values())) != len(named):
+    raise ValueError(f"the mesh axes must be distinct; got {named}")
+  for role, size in (("batch_axis", q.shape[0]), ("head_axis", q.shape[2])):
+    if role in named and size % mesh.shape[named[role]]:
+      raise ValueError(
+          f"{role}={named[role]!r} has {mesh.shape[named[role]]} devices, "
+          f"which do not divide {'B' if role == 'batch_axis' else 'H'} = "
+          f"{size}")
+
+
+def _initial_state(q, k, v, initial_state):
+  """``initial_state`` in the compute dtype, zeros ``[B, H, K, V]`` when None."""
+  dtype = common.compute_dtype(q, k, v)
+  if initial_state is None:
+    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), dtype)
+  return jnp.asarray(initial_state).astype(dtype)
+
+
+def _specs(a, *, batch_axis, seq_axis, head_axis):
+  """PartitionSpecs of ``(q, k, v, a, b, state)``."""
+  x = P(batch_axis, seq_axis, head_axis, None)
+  gate = x if a.ndim == 4 else P(batch_axis, seq_axis, head_axis)
+  return (x, x, x, gate, P(batch_axis, seq_axis, head_axis),
+          P(batch_axis, head_axis, None, None))
+
+
+def _reshard(xs, mesh, specs):
+  """Lays ``xs`` out as ``specs`` say over the mesh's Explicit axes.
+
+  shard_map requires this of Explicit axes (the default of
+  ``jax.make_mesh``); over Auto axes it reshards the inputs itself.
+  """
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  if not explicit:
+    return xs
+  return tuple(
+      jax.reshard(x, NamedSharding(
+          mesh, P(*(axis if axis in explicit else None for axis in spec))))
+      for x, spec in zip(xs, specs))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "mesh", "batch_axis", "head_axis", "scale", "impl", "chunk_size"))
+def _sharded(q, k, v, a, b, initial_state, *, mesh, batch_axis, head_axis,
+             scale, impl, chunk_size):
+  specs = _specs(a, batch_axis=batch_axis, seq_axis=None, head_axis=head_axis)
+  run = functools.partial(api.gated_delta, scale=scale, return_final_state=True,
+                          impl=impl, chunk_size=chunk_size)
+  return jax.shard_map(
+      lambda q, k, v, a, b, s: run(q, k, v, a, b, initial_state=s),
+      mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
+  )(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "mesh", "axis_name", "batch_axis", "head_axis", "scale", "impl",
+    "chunk_size"))
+def _sequence_parallel(q, k, v, a, b, initial_state, *, mesh, axis_name,
+                       batch_axis, head_axis, scale, impl, chunk_size):
+  specs = _specs(a, batch_axis=batch_axis, seq_axis=axis_name,
+                 head_axis=head_axis)
+  segment = functools.partial(
+      _segment, axis_name=axis_name,
+      mapped_axes=tuple(x for x in (batch_axis, axis_name, head_axis)
+                        if x is not None),
+      scale=scale, impl=impl, chunk_size=chunk_size)
+  return jax.shard_map(
+      segment, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
+  )(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
+
+
+def _segment(q, k, v, a, b, initial_state, *, axis_name, mapped_axes, scale,
+             impl, chunk_size):
+  """One device's segment: local shapes ``[B, T/D, H, ...]``.
+
+  ``mapped_axes`` are the mesh axes that split the inputs.
+
+  Returns ``o`` ``[B, T/D, H, V]`` and the final state ``[B, H, K, V]`` of
+  the whole sequence, which the last device computes.
+  """
+  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, mapped_axes=mapped_axes,
+                                        scale=scale, impl=impl,
+                                        chunk_size=chunk_size)
+  s_in = _segment_initial_state(f, g, initial_state, axis_name)
+  o = o_zero + jnp.einsum("bthk,bhkv->bthv", p, s_in)
+  is_last = lax.axis_index(axis_name) == lax.axis_size(axis_name) - 1
+  final_state = lax.psum(jnp.where(is_last, f @ s_in + g, 0), axis_name)
+  return o.astype(v.dtype), final_state
+
+
+def _segment_affine_map(q, k, v, a, b, *, mapped_axes, scale, impl,
+                        chunk_size):
+  """The segment as an affine function of its initial state ``S_in``.
+
+  Returns ``(o_zero, p, f, g)``: ``[B, T, H, V]``, ``[B, T, H, K]``,
+  ``[B, H, K, K]``, ``[B, H, K, V]`` in the compute dtype, with outputs
+  ``o_zero + p S_in`` and final state ``f S_in + g``.
+  """
+  dtype = common.compute_dtype(q, k, v)
+  bsz, t, h, dk = q.shape
+  dv = v.shape[-1]
+  v_aug = jnp.concatenate([v.astype(dtype), jnp.zeros((bsz, t, h, dk), dtype)],
+                          axis=-1)
+  identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, h, dk, dk))
+  s_aug = jnp.concatenate([jnp.zeros((bsz, h, dk, dv), dtype), identity],
+                          axis=-1)
+  # A state carried by a scan under shard_map must vary like the inputs.
+  s_aug = lax.pcast(s_aug, mapped_axes, to="varying")
+  o, s = api.gated_delta(q, k, v_aug, a, b, scale=scale, initial_state=s_aug,
+                         return_final_state=True, impl=impl,
+                         chunk_size=chunk_size)
+  return o[..., :dv], o[..., dv:], s[..., dv:], s[..., :dv]
+
+
+def _segment_initial_state(f, g, initial_state, axis_name):
+  """The state entering this device's segment ``[B, H, K, V]``.
+
+  All-gathers every segment's ``(f, g)`` and applies ``S <- f S + g`` from
+  ``initial_state`` for the segments before this one (every device runs all
+  ``D`` steps; they are tiny, and ``D`` is static).
+  """
+  dv = g.shape[-1]
+  maps = lax.all_gather(jnp.concatenate([g, f], axis=-1), axis_name)
+  entry_states = [initial_state]
+  for segment_map in maps[:-1]:
+    entry_states.append(segment_map[..., dv:] @ entry_states[-1]
+                        + segment_map[..., :dv])
+  return jnp.stack(entry_states)[lax.axis_index(axis_name)]
