@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.benchmark import make_inputs, median_ms
 from deltajax.pallas import ops, output, state, ut

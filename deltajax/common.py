@@ -12,8 +12,6 @@ Conventions used throughout deltajax:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 

@@ -10,7 +10,6 @@ UT transform: memory ``O(T (K + V) + (T / C) K V)`` per head.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from deltajax import common
