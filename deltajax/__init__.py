@@ -4,8 +4,9 @@ from deltajax.api import IMPLEMENTATIONS
 from deltajax.api import gated_delta
 from deltajax.api import gated_delta_step
 from deltajax.api import kda
+from deltajax import parallel
 
 __version__ = "0.1.0"
 
 __all__ = ["IMPLEMENTATIONS", "gated_delta", "gated_delta_step", "kda",
-           "__version__"]
+           "parallel", "__version__"]

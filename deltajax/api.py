@@ -118,8 +118,10 @@ def _run(q, k, v, a, b, initial_state, *, scale, impl, chunk_size):
   """
   dtype = common.compute_dtype(q, k, v)
   if initial_state is None:
-    initial_state = jnp.zeros((*q.shape[:1], q.shape[2], q.shape[3],
-                               v.shape[3]), dtype)
+    # zeros_like keeps the inputs' sharding (and, inside shard_map, the
+    # device-varying type that lax.scan's carry must match).
+    initial_state = jnp.zeros_like(
+        q, dtype, shape=(q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
   t = q.shape[1]
   padded = common.round_up(t, chunk_size)
   q, k, v, a, b = (common.pad_axis(x, 1, padded) for x in (q, k, v, a, b))

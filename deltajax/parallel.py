@@ -11,13 +11,15 @@ Sequence (context) parallelism splits T into one segment per device.
 Because the state update is affine in the state, a segment maps its initial
 state to its final state as ``S_out = F S_in + G`` (``F`` is ``K x K``), and
 each of its outputs is ``o_t = o_t^0 + P_t S_in`` with ``o^0`` the output
-from the zero state and ``P_t = scale q_t^T F_{<=t}``. The recurrence acts
-on every value column on its own, so one call of
-:func:`deltajax.gated_delta` per device with ``K`` extra value columns,
-``v = [v, 0]`` and initial state ``[0, I]``, yields all four: outputs
-``[o^0, P]`` and final state ``[G, F]``. The devices then all-gather the
-small ``(F, G)`` pairs, scan them from ``initial_state`` to the state that
-enters each segment, and correct their outputs with one matmul.
+from the zero state and ``P_t = scale q_t^T F_{<=t}`` (``F_{<=t}`` the
+transition from the segment's start through token t). The recurrence acts
+on every value column on its own, so one call of :func:`deltajax.gated_delta`
+per device with ``K`` extra value columns, ``v = [v, 0]`` and initial state
+``[0, I]``, yields all four: outputs ``[o^0, P]`` and final state ``[G, F]``.
+The devices then all-gather the small ``(F, G)`` pairs, compose them from
+``initial_state`` to the state that enters each segment, and correct their
+outputs with one matmul. A second local pass from the true state would cost
+a whole pass more, since ``F`` is needed either way.
 """
 
 from __future__ import annotations
@@ -54,14 +56,10 @@ def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
   Returns:
     ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, sharded like the inputs.
   """
-  q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
-  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
-  _check_inputs(q, k, v, a, b, initial_state, options)
-  _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis)
-  initial_state = _initial_state(q, k, v, initial_state)
-  o, final_state = _sharded(q, k, v, a, b, initial_state, mesh=mesh,
-                            batch_axis=batch_axis, head_axis=head_axis,
-                            **options)
+  o, final_state = _across_devices(
+      q, k, v, a, b, initial_state, mesh=mesh, batch_axis=batch_axis,
+      seq_axis=None, head_axis=head_axis, scale=scale, impl=impl,
+      chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
 
 
@@ -77,9 +75,9 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
 
   Cost per device, against one device running the whole sequence: its
   segment with ``V + K`` value columns instead of ``V``, one all-gather of
-  ``D`` arrays ``[B, H, K, K + V]``, ``D`` matmuls ``[K, K] x [K, V]`` per
-  (batch, head), and one ``[T / D, K] x [K, V]`` matmul per (batch, head).
-  Gradients are those of autodiff through this computation.
+  ``D`` arrays ``[B, H, K, K + V]``, ``D - 1`` matmuls ``[K, K] x [K, V]``
+  per (batch, head), and one ``[T / D, K] x [K, V]`` matmul per (batch,
+  head). Gradients are those of autodiff through this computation.
 
   Args:
     q, k, v, a, b, initial_state: as for :func:`deltajax.gated_delta`, in the
@@ -94,22 +92,29 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
     ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, as
     :func:`deltajax.gated_delta` returns them.
   """
+  o, final_state = _across_devices(
+      q, k, v, a, b, initial_state, mesh=mesh, batch_axis=batch_axis,
+      seq_axis=axis_name, head_axis=head_axis, scale=scale, impl=impl,
+      chunk_size=chunk_size)
+  return (o, final_state) if return_final_state else o
+
+
+def _across_devices(q, k, v, a, b, initial_state, *, mesh, batch_axis,
+                    seq_axis, head_axis, **options):
+  """Checks the global inputs, then runs :func:`_shard_mapped`."""
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
-  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
   _check_inputs(q, k, v, a, b, initial_state, options)
   _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis,
-              axis_name=axis_name)
-  if q.shape[1] % mesh.shape[axis_name]:
+              axis_name=seq_axis)
+  if seq_axis is not None and q.shape[1] % mesh.shape[seq_axis]:
     raise ValueError(
-        f"T = {q.shape[1]} is not divisible by the {mesh.shape[axis_name]} "
-        f"devices of mesh axis {axis_name!r}. Pad the sequence at its end "
+        f"T = {q.shape[1]} is not divisible by the {mesh.shape[seq_axis]} "
+        f"devices of mesh axis {seq_axis!r}. Pad the sequence at its end "
         f"with tokens a = 0, b = 0 (they leave the state unchanged) and drop "
         f"their outputs.")
-  initial_state = _initial_state(q, k, v, initial_state)
-  o, final_state = _sequence_parallel(
-      q, k, v, a, b, initial_state, mesh=mesh, axis_name=axis_name,
-      batch_axis=batch_axis, head_axis=head_axis, **options)
-  return (o, final_state) if return_final_state else o
+  return _shard_mapped(q, k, v, a, b, _initial_state(q, k, v, initial_state),
+                       mesh=mesh, batch_axis=batch_axis, seq_axis=seq_axis,
+                       head_axis=head_axis, **options)
 
 
 def _check_inputs(q, k, v, a, b, initial_state, options) -> None:
@@ -175,46 +180,35 @@ def _reshard(xs, mesh, specs):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "mesh", "batch_axis", "head_axis", "scale", "impl", "chunk_size"))
-def _sharded(q, k, v, a, b, initial_state, *, mesh, batch_axis, head_axis,
-             scale, impl, chunk_size):
-  specs = _specs(a, batch_axis=batch_axis, seq_axis=None, head_axis=head_axis)
-  run = functools.partial(api.gated_delta, scale=scale, return_final_state=True,
-                          impl=impl, chunk_size=chunk_size)
-  return jax.shard_map(
-      lambda q, k, v, a, b, s: run(q, k, v, a, b, initial_state=s),
-      mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
-  )(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "mesh", "axis_name", "batch_axis", "head_axis", "scale", "impl",
+    "mesh", "batch_axis", "seq_axis", "head_axis", "scale", "impl",
     "chunk_size"))
-def _sequence_parallel(q, k, v, a, b, initial_state, *, mesh, axis_name,
-                       batch_axis, head_axis, scale, impl, chunk_size):
-  specs = _specs(a, batch_axis=batch_axis, seq_axis=axis_name,
+def _shard_mapped(q, k, v, a, b, initial_state, *, mesh, batch_axis, seq_axis,
+                  head_axis, scale, impl, chunk_size):
+  """shard_map of gated_delta, or of :func:`_segment` when T is split."""
+  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
+  if seq_axis is None:
+    per_device = lambda q, k, v, a, b, s: api.gated_delta(
+        q, k, v, a, b, initial_state=s, return_final_state=True, **options)
+  else:
+    per_device = functools.partial(_segment, axis_name=seq_axis, **options)
+  specs = _specs(a, batch_axis=batch_axis, seq_axis=seq_axis,
                  head_axis=head_axis)
-  segment = functools.partial(
-      _segment, axis_name=axis_name,
-      mapped_axes=tuple(x for x in (batch_axis, axis_name, head_axis)
-                        if x is not None),
-      scale=scale, impl=impl, chunk_size=chunk_size)
+  # check_vma=True would need every pallas_call output to declare the mesh
+  # axes it varies over; the tests compare the gradients of the unchecked
+  # mode with the single-device ones.
   return jax.shard_map(
-      segment, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
-  )(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
+      per_device, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
+      check_vma=False)(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
 
 
-def _segment(q, k, v, a, b, initial_state, *, axis_name, mapped_axes, scale,
-             impl, chunk_size):
+def _segment(q, k, v, a, b, initial_state, *, axis_name, scale, impl,
+             chunk_size):
   """One device's segment: local shapes ``[B, T/D, H, ...]``.
-
-  ``mapped_axes`` are the mesh axes that split the inputs.
 
   Returns ``o`` ``[B, T/D, H, V]`` and the final state ``[B, H, K, V]`` of
   the whole sequence, which the last device computes.
   """
-  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, mapped_axes=mapped_axes,
-                                        scale=scale, impl=impl,
+  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, scale=scale, impl=impl,
                                         chunk_size=chunk_size)
   s_in = _segment_initial_state(f, g, initial_state, axis_name)
   o = o_zero + jnp.einsum("bthk,bhkv->bthv", p, s_in)
@@ -223,8 +217,7 @@ def _segment(q, k, v, a, b, initial_state, *, axis_name, mapped_axes, scale,
   return o.astype(v.dtype), final_state
 
 
-def _segment_affine_map(q, k, v, a, b, *, mapped_axes, scale, impl,
-                        chunk_size):
+def _segment_affine_map(q, k, v, a, b, *, scale, impl, chunk_size):
   """The segment as an affine function of its initial state ``S_in``.
 
   Returns ``(o_zero, p, f, g)``: ``[B, T, H, V]``, ``[B, T, H, K]``,
@@ -239,8 +232,6 @@ def _segment_affine_map(q, k, v, a, b, *, mapped_axes, scale, impl,
   identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, h, dk, dk))
   s_aug = jnp.concatenate([jnp.zeros((bsz, h, dk, dv), dtype), identity],
                           axis=-1)
-  # A state carried by a scan under shard_map must vary like the inputs.
-  s_aug = lax.pcast(s_aug, mapped_axes, to="varying")
   o, s = api.gated_delta(q, k, v_aug, a, b, scale=scale, initial_state=s_aug,
                          return_final_state=True, impl=impl,
                          chunk_size=chunk_size)
@@ -251,8 +242,8 @@ def _segment_initial_state(f, g, initial_state, axis_name):
   """The state entering this device's segment ``[B, H, K, V]``.
 
   All-gathers every segment's ``(f, g)`` and applies ``S <- f S + g`` from
-  ``initial_state`` for the segments before this one (every device runs all
-  ``D`` steps; they are tiny, and ``D`` is static).
+  ``initial_state`` through the segments before this one (every device
+  takes all ``D - 1`` steps: they are tiny, and ``D`` is static).
   """
   dv = g.shape[-1]
   maps = lax.all_gather(jnp.concatenate([g, f], axis=-1), axis_name)
