@@ -216,6 +216,20 @@ def check_sharded_wrapper():
          collectives=collectives(loss_of(fwd), args, None))
 
 
+def check_inside_user_shard_map():
+  """gated_delta in a user's shard_map (default checks), no initial_state."""
+  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  x = inputs(5, b=8, t=32)
+  args = [x[n] for n in ("q", "k", "v", "a", "b")]
+  for impl in ("scan", "chunked"):
+    call = lambda *a: deltajax.gated_delta(*a, impl=impl, chunk_size=16)
+    sharded = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P("data"),
+                                    out_specs=P("data")))
+    got, want = np.asarray(sharded(*args)), np.asarray(call(*args))
+    emit("user-shard-map", impl, errors={
+        "o": float(np.max(np.abs(got - want)) / np.max(np.abs(want)))})
+
+
 def check_sequence_parallel_hlo():
   """Sequence parallel moves only the (F, G) maps and the final state."""
   mesh = mesh_of((8,), ("sp",))
@@ -237,6 +251,7 @@ def main():
   check_errors()
   check_batch_head_sharding()
   check_sharded_wrapper()
+  check_inside_user_shard_map()
   check_sequence_parallel_hlo()
 
 

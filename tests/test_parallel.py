@@ -91,6 +91,11 @@ def test_sharded_wrapper(results, impl):
   assert not row["collectives"], row["collectives"]
 
 
+@pytest.mark.parametrize("impl", ["scan", "chunked"])
+def test_gated_delta_inside_a_users_shard_map(results, impl):
+  assert_close(results[("user-shard-map", impl)])
+
+
 @pytest.mark.parametrize("pass_", ["fwd", "grad"])
 def test_sequence_parallel_moves_only_segment_maps(results, pass_):
   row = results[("sequence-hlo", pass_)]
