@@ -1,4 +1,8 @@
-"""deltajax: gated delta rule linear attention (Gated DeltaNet, KDA) for JAX."""
+"""deltajax: gated delta rule linear attention (Gated DeltaNet, KDA) for JAX.
+
+Lower bounds are the oldest versions the test suite was run with (Python 3.11,
+CPU): ``pip install -e ".[test]"`` under ``pip install -c`` pins of them.
+"""
 
 import re
 from pathlib import Path
@@ -17,24 +21,24 @@ setup(
     long_description=(_HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deltajax", "deltajax.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
-        "jax>=0.10",
-        "jaxlib>=0.10",
-        "numpy>=1.26",
-        "chex>=0.1.90",
-        "absl-py>=2.0",
+        "jax>=0.10.0",
+        "jaxlib>=0.10.0",
     ],
     extras_require={
-        "nn": ["flax>=0.12", "optax>=0.2.4"],
+        "nn": ["flax>=0.12.0", "optax>=0.2.4"],
         "test": [
-            "pytest>=8",
-            "flax>=0.12",
+            "absl-py>=2.0.0",
+            "chex>=0.1.90",
+            "numpy>=2.0.0",
+            "pytest>=8.0.0",
+            "flax>=0.12.0",
             "optax>=0.2.4",
-            "matplotlib>=3.8",
-            "nbformat>=5.10",
-            "nbclient>=0.10",
-            "ipykernel>=6.29",
+            "matplotlib>=3.8.0",
+            "nbformat>=5.10.0",
+            "nbclient>=0.10.0",
+            "ipykernel>=6.29.0",
         ],
     },
     license="Apache-2.0",

@@ -1,0 +1,69 @@
+"""bfloat16 and float16 inputs against the float64 reference, with fla's tolerances.
+
+As in fla's tests of the gated delta rule: realistic inputs (L2-normalised k,
+``b = sigmoid(randn)``, ``a = logsigmoid(randn) * gate_scale`` from weak to
+strong), a float32 initial state, random output and state cotangents, and the
+relative RMS error ``||x - ref|| / ||ref||``. q, k, v, a and b are rounded to
+the low dtype first; the reference is deltajax's scan in float64 on the same
+rounded values (itself checked against reference A and autodiff in
+test_forward.py and test_gradients.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import utils
+
+TOLERANCES = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008,
+              "dv": 0.008, "da": 0.02, "db": 0.02, "dh0": 0.008}
+NAMES = tuple(TOLERANCES)
+# (B, T, H, K = V, gate_scale): fla's shapes, gates from weak to strong.
+CASES = ((2, 75, 4, 60, 1.0), (1, 500, 1, 100, 10.0), (1, 1024, 4, 128, 0.1),
+         (2, 1024, 1, 64, 1.0))
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@functools.lru_cache(maxsize=None)
+def _case(case, dtype_name):
+  """``(low, reference)``: the low-precision arguments and cotangents, and the
+  float64 reference's outputs and gradients (float64 numpy, by name)."""
+  bsz, t_len, heads, dim, gate_scale = case
+  seed = 4000 + CASES.index(case) * 10 + list(DTYPES).index(dtype_name)
+  x = utils.random_inputs(seed, batch=bsz, length=t_len, heads=heads,
+                          key_dim=dim, value_dim=dim, gate_scale=gate_scale,
+                          state_scale=1.0)
+  cotangents = utils.random_cotangents(seed + 1, x)
+  dtype = DTYPES[dtype_name]
+  low = tuple(jnp.asarray(t, dtype) for t in x[:5]) + (
+      jnp.asarray(x.initial_state, jnp.float32),)
+  low_cotangents = (jnp.asarray(cotangents[0], dtype),
+                    jnp.asarray(cotangents[1], jnp.float32))
+  with jax.enable_x64(True):
+    reference = _measure("scan", tuple(jnp.asarray(t, jnp.float64)
+                                       for t in low), low_cotangents)
+  return (low, low_cotangents), reference
+
+
+def _measure(impl, args, cotangents):
+  """Outputs and gradients of ``impl`` by name, as float64 numpy."""
+  fn = jax.jit(functools.partial(utils.gated_delta, impl))
+  outputs, grads = utils.vjp(fn, args, cotangents)
+  return dict(zip(NAMES, (utils.as_float64(x) for x in (*outputs, *grads))))
+
+
+@pytest.mark.parametrize("impl", ("chunked", "scan"))
+@pytest.mark.parametrize("dtype_name", tuple(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_T{}_H{}_K{}_g{}".format(*c))
+def test_matches_float64_reference(case, dtype_name, impl):
+  (args, cotangents), reference = _case(case, dtype_name)
+  got = _measure(impl, args, cotangents)
+  errors = {n: utils.relative_rms_error(got[n], reference[n]) for n in NAMES}
+  print(f"low precision {impl} {dtype_name} {case}: relative RMS error "
+        + ", ".join(f"{n} {e:.2g}" for n, e in errors.items()))
+  assert all(np.isfinite(list(errors.values())))
+  failed = {n: e for n, e in errors.items() if not e <= TOLERANCES[n]}
+  assert not failed, f"above fla's tolerances {TOLERANCES}: {failed}"

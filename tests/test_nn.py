@@ -1,0 +1,190 @@
+"""Tests of the Flax layers in deltajax.nn."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from deltajax import nn
+
+LAYERS = (nn.GatedDeltaNet, nn.KimiDeltaAttention, nn.DeltaNet)
+D_MODEL, HEADS = 32, 2
+
+
+def _inputs(shape, seed=1, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _layer(cls, **options):
+  return cls(D_MODEL, HEADS, rngs=nnx.Rngs(0), **options)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_output_shape_and_cache_shapes(cls):
+  layer = _layer(cls, head_dim=8, value_head_dim=12, conv_size=3)
+  x = _inputs((3, 10, D_MODEL))
+  y = layer(x)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  cache = layer.init_cache(3)
+  assert cache.conv.shape == (3, 2, HEADS * (8 + 8 + 12))
+  assert cache.state.shape == (3, HEADS, 8, 12)
+  assert cache.state.dtype == jnp.float32
+  y, new_cache = layer(x, cache=cache)
+  assert y.shape == x.shape
+  assert jax.tree.map(jnp.shape, new_cache) == jax.tree.map(jnp.shape, cache)
+
+
+@pytest.mark.parametrize("cls, expected", [
+    (nn.GatedDeltaNet, (2, 5, HEADS)),
+    (nn.KimiDeltaAttention, (2, 5, HEADS, D_MODEL // HEADS)),
+    (nn.DeltaNet, (2, 5, HEADS)),
+])
+def test_log_decay_shape_and_sign(cls, expected):
+  a = _layer(cls).log_decay(_inputs((2, 5, D_MODEL)))
+  assert a.shape == expected and a.dtype == jnp.float32
+  assert bool(jnp.all(a <= 0))
+  if cls is nn.DeltaNet:
+    assert bool(jnp.all(a == 0))
+  else:
+    assert bool(jnp.any(a < 0))
+
+
+def test_initial_decay_rates():
+  """softplus(dt_bias) lies in [1e-4, 0.1] and exp(A_log) in [1, 16]."""
+  layer = nn.KimiDeltaAttention(64, 4, rngs=nnx.Rngs(3))
+  dt = jax.nn.softplus(layer.dt_bias[...])
+  assert layer.dt_bias.shape == (4, 16)
+  assert bool(jnp.all((dt >= 1e-4 * 0.99) & (dt <= 0.1 * 1.01)))
+  rate = jnp.exp(layer.A_log[...])
+  assert bool(jnp.all((rate >= 1.0 * 0.999) & (rate <= 16.0 * 1.001)))
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_decoding_token_by_token_equals_one_call(cls):
+  """Prefill of 5 tokens, 6 single-token steps, then a block of 8, under nnx.jit."""
+  layer = _layer(cls, chunk_size=4)
+  x = _inputs((2, 19, D_MODEL))
+  full = layer(x)
+
+  @nnx.jit
+  def extend(layer, x, cache):
+    return layer(x, cache=cache)
+
+  cache = layer.init_cache(2)
+  pieces = []
+  for start, stop in [(0, 5), *((i, i + 1) for i in range(5, 11)), (11, 19)]:
+    y, cache = extend(layer, x[:, start:stop], cache)
+    pieces.append(y)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full,
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_final_cache_state_matches_one_call(cls):
+  """The state after a prefill equals the state after the same tokens one at a time."""
+  layer = _layer(cls)
+  x = _inputs((1, 7, D_MODEL))
+  _, prefilled = layer(x, cache=layer.init_cache(1))
+  cache = layer.init_cache(1)
+  for i in range(7):
+    _, cache = layer(x[:, i:i + 1], cache=cache)
+  np.testing.assert_allclose(cache.state, prefilled.state, rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(cache.conv, prefilled.conv)
+
+
+@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
+def test_scan_and_chunked_layers_agree(cls):
+  x = _inputs((2, 12, D_MODEL))
+  y_scan = _layer(cls, impl="scan", chunk_size=4)(x)
+  y_chunked = _layer(cls, impl="chunked", chunk_size=8)(x)
+  np.testing.assert_allclose(y_scan, y_chunked, rtol=1e-5, atol=1e-5)
+
+
+def test_output_is_causal():
+  layer = _layer(nn.KimiDeltaAttention, chunk_size=4)
+  x = _inputs((1, 12, D_MODEL))
+  changed = x.at[:, 7:].set(_inputs((1, 5, D_MODEL), seed=2))
+  np.testing.assert_allclose(layer(changed)[:, :7], layer(x)[:, :7],
+                             rtol=1e-6, atol=1e-6)
+
+
+def _mse_loss(layer, x, target):
+  return jnp.mean((layer(x).astype(jnp.float32) - target) ** 2)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_gradients_reach_every_parameter_and_are_finite(cls):
+  layer = _layer(cls, chunk_size=8)
+  x = _inputs((2, 20, D_MODEL))
+  grads = nnx.grad(_mse_loss)(layer, x, _inputs((2, 20, D_MODEL), seed=2))
+  for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads)):
+    name = jax.tree_util.keystr(path)
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert float(jnp.max(jnp.abs(g))) > 0, name
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_optax_steps_reduce_the_loss_on_a_fixed_batch(cls):
+  layer = _layer(cls, chunk_size=16)
+  optimizer = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
+  x = _inputs((4, 16, D_MODEL))
+  target = 0.5 * _inputs((4, 16, D_MODEL), seed=2)
+
+  @nnx.jit
+  def train_step(layer, optimizer):
+    loss, grads = nnx.value_and_grad(_mse_loss)(layer, x, target)
+    optimizer.update(layer, grads)
+    return loss
+
+  losses = [float(train_step(layer, optimizer)) for _ in range(25)]
+  assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
+def test_bfloat16_parameters_and_activations(cls):
+  layer = _layer(cls, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                 chunk_size=8)
+  reference = _layer(cls, chunk_size=8)
+  nnx.update(reference, jax.tree.map(lambda p: p.astype(jnp.float32),
+                                     nnx.state(layer, nnx.Param)))
+  x = _inputs((2, 12, D_MODEL), dtype=jnp.bfloat16)
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16
+  expected = reference(x.astype(jnp.float32))
+  np.testing.assert_allclose(y.astype(jnp.float32), expected, rtol=0.05,
+                             atol=0.05 * float(jnp.max(jnp.abs(expected))))
+  grads = nnx.grad(_mse_loss)(layer, x, jnp.zeros(x.shape, jnp.float32))
+  for g in jax.tree.leaves(nnx.state(grads)):
+    assert g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g)))
+  cache = layer.init_cache(2)
+  assert cache.conv.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32
+  y_step, cache = layer(x[:, :1], cache=cache)
+  assert y_step.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32
+
+
+def test_allow_neg_eigval_doubles_beta():
+  """With beta in (0, 2) the output differs, and decoding still matches."""
+  layer = _layer(nn.GatedDeltaNet, allow_neg_eigval=True)
+  plain = _layer(nn.GatedDeltaNet)
+  x = _inputs((1, 6, D_MODEL))
+  assert not np.allclose(layer(x), plain(x))
+  cache, pieces = layer.init_cache(1), []
+  for i in range(6):
+    y, cache = layer(x[:, i:i + 1], cache=cache)
+    pieces.append(y)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), layer(x),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(d_model=30, num_heads=4), "divisible"),
+    (dict(conv_size=0), "conv_size"),
+    (dict(impl="cuda"), "impl"),
+])
+def test_invalid_options_are_rejected(options, message):
+  options = dict(dict(d_model=D_MODEL, num_heads=HEADS), **options)
+  with pytest.raises(ValueError, match=message):
+    nn.GatedDeltaNet(rngs=nnx.Rngs(0), **options)

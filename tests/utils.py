@@ -1,0 +1,86 @@
+"""Shared test helpers: realistic random inputs, calls, error measures."""
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deltajax
+
+
+class Float64TestCase(chex.TestCase):
+  """A ``chex.TestCase`` whose tests run with ``jax_enable_x64``."""
+
+  def setUp(self):
+    super().setUp()
+    self.enter_context(jax.enable_x64(True))
+
+
+class Inputs(NamedTuple):
+  """float64 numpy inputs in deltajax's layout."""
+  q: np.ndarray  # [B, T, H, K]
+  k: np.ndarray  # [B, T, H, K], L2-normalised
+  v: np.ndarray  # [B, T, H, V]
+  a: np.ndarray  # [B, T, H] or [B, T, H, K], log decay <= 0
+  b: np.ndarray  # [B, T, H], beta in (0, 1)
+  initial_state: np.ndarray  # [B, H, K, V]
+
+
+def random_inputs(seed: int, *, batch=2, length=12, heads=2, key_dim=4,
+                  value_dim=4, per_channel=False, gate_scale=1.0,
+                  state_scale=0.5) -> Inputs:
+  """Inputs like fla's tests: q, v ~ N(0, 1), k L2-normalised,
+  ``b = sigmoid(N(0, 1))``, ``a = gate_scale * logsigmoid(N(0, 1))``."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, length, heads, key_dim))
+  k = rng.standard_normal((batch, length, heads, key_dim))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((batch, length, heads, value_dim))
+  gate_shape = (batch, length, heads) + ((key_dim,) if per_channel else ())
+  a = -gate_scale * np.logaddexp(0.0, -rng.standard_normal(gate_shape))
+  b = 1.0 / (1.0 + np.exp(-rng.standard_normal((batch, length, heads))))
+  s0 = state_scale * rng.standard_normal((batch, heads, key_dim, value_dim))
+  return Inputs(q, k, v, a, b, s0)
+
+
+def random_cotangents(seed: int, inputs: Inputs):
+  """Random ``(d_o, d_final_state)``, float64 numpy, for a VJP."""
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal(inputs.v.shape),
+          rng.standard_normal(inputs.initial_state.shape))
+
+
+def gated_delta(impl, q, k, v, a, b, initial_state, **options):
+  """``deltajax.gated_delta(..., return_final_state=True)`` with positional state."""
+  return deltajax.gated_delta(q, k, v, a, b, initial_state=initial_state,
+                              impl=impl, return_final_state=True, **options)
+
+
+def vjp(fn, args, cotangents):
+  """``(outputs, grads)``: ``fn(*args)`` and the VJP of ``cotangents``
+  (cast to the outputs' dtypes)."""
+  outputs, pullback = jax.vjp(fn, *args)
+  cotangents = tuple(jnp.asarray(c).astype(o.dtype)
+                     for c, o in zip(cotangents, outputs))
+  return outputs, pullback(cotangents)
+
+
+def as_float64(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+def max_abs_error(x, ref) -> float:
+  return float(np.max(np.abs(as_float64(x) - as_float64(ref))))
+
+
+def relative_max_error(x, ref) -> float:
+  """``max |x - ref| / max |ref|``."""
+  return max_abs_error(x, ref) / float(np.max(np.abs(as_float64(ref))))
+
+
+def relative_rms_error(x, ref) -> float:
+  """fla's ``get_err_ratio``: ``||x - ref|| / ||ref||``."""
+  x, ref = as_float64(x), as_float64(ref)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
