@@ -39,7 +39,8 @@ from flax import nnx
 from deltajax import api
 
 __all__ = ["DeltaCache", "DeltaNet", "DeltaRuleLayer", "GatedDeltaNet",
-           "KimiDeltaAttention"]
+           "KimiDeltaAttention", "a_log_init", "causal_depthwise_conv",
+           "conv_kernel_init", "dt_bias_init", "l2_normalize"]
 
 
 class DeltaCache(NamedTuple):
@@ -155,9 +156,9 @@ class DeltaRuleLayer(nnx.Module):
       return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
                         param_dtype=param_dtype, rngs=rngs)
 
-    self.qkv_proj = linear(d_model, 2 * h * dk + h * dv)
+    self.qkv_proj = linear(d_model, self._qkv_width)
     self.conv_kernel = nnx.Param(conv_kernel_init(
-        rngs.params(), (conv_size, 2 * h * dk + h * dv), param_dtype))
+        rngs.params(), (conv_size, self._qkv_width), param_dtype))
     self.b_proj = linear(d_model, h)
     gate_width = {"head": 1, "channel": dk, "none": 0}[self.gate]
     if gate_width:
@@ -178,10 +179,15 @@ class DeltaRuleLayer(nnx.Module):
         state=jnp.zeros((batch_size, self.num_heads, self.head_dim,
                          self.value_head_dim), jnp.float32))
 
+  @property
+  def _qkv_width(self) -> int:
+    """``2 H K + H V``: the channels of the q, k, v projection and convolution."""
+    return self.num_heads * (2 * self.head_dim + self.value_head_dim)
+
   def _empty_history(self, batch_size: int) -> jax.Array:
     """Zeros ``[B, conv_size - 1, 2 H K + H V]``: the convolution's left padding."""
-    channels = self.num_heads * (2 * self.head_dim + self.value_head_dim)
-    return jnp.zeros((batch_size, self.conv_size - 1, channels), self.dtype)
+    return jnp.zeros((batch_size, self.conv_size - 1, self._qkv_width),
+                     self.dtype)
 
   def __call__(self, x: jax.Array, *, cache: DeltaCache | None = None):
     """Mixes the tokens of ``x`` ``[B, T, d_model]``.

@@ -36,6 +36,21 @@ def test_output_shape_and_cache_shapes(cls):
   assert jax.tree.map(jnp.shape, new_cache) == jax.tree.map(jnp.shape, cache)
 
 
+def test_causal_depthwise_conv_matches_numpy_and_continues_from_history():
+  x = np.asarray(_inputs((2, 9, 5)))
+  kernel = np.asarray(_inputs((4, 5), seed=2))
+  y, history = nn.causal_depthwise_conv(x, kernel, np.zeros((2, 3, 5), np.float32))
+  expected = np.array([[np.convolve(x[b, :, c], kernel[::-1, c])[:9]
+                        for c in range(5)] for b in range(2)]).transpose(0, 2, 1)
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(history, x[:, -3:])
+  y_first, history = nn.causal_depthwise_conv(
+      x[:, :6], kernel, np.zeros((2, 3, 5), np.float32))
+  y_rest, _ = nn.causal_depthwise_conv(x[:, 6:], kernel, history)
+  np.testing.assert_allclose(np.concatenate([y_first, y_rest], axis=1), y,
+                             rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("cls, expected", [
     (nn.GatedDeltaNet, (2, 5, HEADS)),
     (nn.KimiDeltaAttention, (2, 5, HEADS, D_MODEL // HEADS)),

@@ -1,0 +1,38 @@
+"""Executes every notebook in colabs/ end to end on the CPU with small settings."""
+
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
+
+
+def test_the_three_notebooks_exist():
+  assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "kernels_and_benchmarks",
+                                         "associative_recall"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_without_outputs(path):
+  nb = nbformat.read(path, as_version=4)
+  nbformat.validate(nb)
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs and cell.execution_count is None, cell.source[:80]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
+  """Runs every cell in a fresh python3 kernel; a failing cell fails the test."""
+  monkeypatch.setenv("DELTAJAX_SMALL", "1")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+  nb = nbformat.read(path, as_version=4)
+  client = NotebookClient(nb, kernel_name="python3", timeout=600,
+                          resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
