@@ -1,7 +1,9 @@
 """deltajax: gated delta rule linear attention (Gated DeltaNet, KDA) for JAX.
 
-Lower bounds are the oldest versions the test suite was run with (Python 3.11,
-CPU): ``pip install -e ".[test]"`` under ``pip install -c`` pins of them.
+Lower bounds: the whole test suite passes on the CPU (Python 3.11) with exactly
+these versions (``pip install -c`` pins of them). jax 0.10 needs numpy >= 2, so
+matplotlib < 3.8.4 (numpy < 2) cannot be installed with it, and flax 0.12.0
+and 0.12.1 do not import or jit under jax 0.10.
 """
 
 import re
@@ -27,15 +29,15 @@ setup(
         "jaxlib>=0.10.0",
     ],
     extras_require={
-        "nn": ["flax>=0.12.0", "optax>=0.2.4"],
+        "nn": ["flax>=0.12.2", "optax>=0.2.4"],
         "test": [
             "absl-py>=2.0.0",
             "chex>=0.1.90",
             "numpy>=2.0.0",
             "pytest>=8.0.0",
-            "flax>=0.12.0",
+            "flax>=0.12.2",
             "optax>=0.2.4",
-            "matplotlib>=3.8.0",
+            "matplotlib>=3.8.4",
             "nbformat>=5.10.0",
             "nbclient>=0.10.0",
             "ipykernel>=6.29.0",

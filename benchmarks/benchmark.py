@@ -1,7 +1,7 @@
 """Times every deltajax implementation, and fla when importable, on the same inputs.
 
     python benchmarks/benchmark.py [--shapes 4,4096,16,128 ...] [--reps 20]
-        [--out DIR]
+        [--impls scan chunked pallas] [--out DIR]
 
 For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates:
 forward and forward+backward of each implementation, median of ``--reps``
@@ -27,7 +27,7 @@ import deltajax
 
 DEFAULT_SHAPES = ((4, 4096, 16, 128), (4, 2048, 16, 128), (2, 16384, 16, 128),
                   (1, 8192, 96, 128), (8, 1024, 8, 64))
-SCAN_MAX_TOKENS = 4 * 4096  # B*T above which the token scan is skipped
+SCAN_MAX_TOKENS = 4 * 4096 * 16  # B*T*H above which the token scan is skipped
 
 
 def log(msg: str) -> None:
@@ -153,34 +153,43 @@ def rel_rms(x, ref):
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def implementations_for(shape):
-  bsz, t = shape[:2]
+def implementations_for(shape, only=None):
+  """deltajax implementations to time at ``shape`` (``only``: a subset)."""
+  bsz, t, h = shape[:3]
   impls = ["chunked"]
   if jax.default_backend() == "gpu":
     impls.append("pallas")
-  if bsz * t <= SCAN_MAX_TOKENS:
+  if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
-  return impls
+  return [i for i in impls if only is None or i in only]
 
 
-def run(shapes, reps):
-  """Returns rows ``{shape, impl, fwd, fwd_bwd, err}`` (err: relative RMS vs chunked)."""
+def run(shapes, reps, only=None, on_shape=lambda rows: None):
+  """Returns rows ``{shape, impl, fwd, fwd_bwd, err}``.
+
+  ``err`` is the relative RMS difference of the output from chunked's (from
+  the first implementation timed when ``only`` leaves chunked out).
+
+  ``on_shape(rows)`` is called after each shape, so partial results survive a
+  time limit.
+  """
   fla = load_fla()
   rows = []
   for shape in shapes:
     inputs = make_inputs(shape)
     results = {}
-    for impl in implementations_for(shape):
+    for impl in implementations_for(shape, only):
       log(f"{shape} {impl} ...")
       results[impl] = time_jax(impl, inputs, reps)
     if fla is not None:
       log(f"{shape} fla ...")
       results["fla"] = time_fla(fla, inputs, reps)
-    ref = results["chunked"][2]
+    ref = results.get("chunked", next(iter(results.values())))[2]
     for impl, (t_fwd, t_bwd, o) in results.items():
       rows.append(dict(shape=shape, impl=impl, fwd=t_fwd, fwd_bwd=t_bwd,
                        err=rel_rms(o, ref)))
       log(f"  {impl:8s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_bwd:8.3f} ms")
+    on_shape(rows)
   return rows
 
 
@@ -223,19 +232,26 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=None,
                       help="B,T,H,D entries (default: the issue's list)")
   parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--impls", nargs="*", default=None,
+                      help="deltajax implementations to time (default: all)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.shapes)
             if args.shapes else DEFAULT_SHAPES)
   log(f"devices: {jax.devices()}  jax {jax.__version__}")
-  rows = run(shapes, args.reps)
+  os.makedirs(args.out, exist_ok=True)
+
+  def write(text):
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+      f.write(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}"
+              f"\n\n{text}\n")
+
+  rows = run(shapes, args.reps, args.impls,
+             on_shape=lambda rows: write(table(rows)))
   decode_us = time_decode_step()
   text = (f"{table(rows)}\n\nDecoding step (B=4, H=16, D=128, jitted loop of "
-          f"100 steps): {decode_us:.1f} us/step\n")
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}\n\n"
-            + text)
+          f"100 steps): {decode_us:.1f} us/step")
+  write(text)
   plot(rows, os.path.join(args.out, "time_vs_t.png"))
   print(text)
 

@@ -18,9 +18,10 @@ from benchmarks.benchmark import make_inputs, median_ms
 from deltajax.pallas import ops, output, state, ut
 
 VARIANTS = {
-    "ut_transform": [dict(num_warps=w, num_stages=1) for w in (2, 4, 8)],
+    "ut_transform": [dict(num_warps=w, num_stages=1) for w in (2, 4)],
     "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                     ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2))],
+                     ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2),
+                      (32, 2, 2))],
     "output": [dict(block_v=bv, num_warps=w, num_stages=1) for bv, w in
                ((64, 4), (128, 4), (64, 8))],
     "output_backward": [dict(block_v=bv, num_warps=w) for bv, w in
@@ -28,7 +29,8 @@ VARIANTS = {
     "backward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
                       ((32, 4, 3), (64, 4, 2), (64, 8, 2))],
     "ut_backward": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                    ((32, 4, 1), (64, 4, 1), (64, 4, 2), (64, 8, 1))],
+                    ((32, 4, 1), (64, 4, 1), (64, 4, 2), (64, 8, 1),
+                     (64, 8, 2), (128, 8, 1))],
 }
 
 
@@ -66,9 +68,16 @@ def stage_inputs(shape, c=64):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="4,4096,16,128")
+  parser.add_argument("--once", action="store_true",
+                      help="run each kernel once with its default launch "
+                      "(for a profiler such as ncu)")
   args = parser.parse_args()
   shape = tuple(int(x) for x in args.shape.split(","))
   calls = stage_inputs(shape)
+  if args.once:
+    for call in calls.values():
+      jax.block_until_ready(call())
+    return
   print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():
     for opts in variants:

@@ -86,17 +86,17 @@ def accumulator(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def mm(a, b, *, trans_a=False, trans_b=False):
+def mm(a, b, *, trans_a=False, trans_b=False, exact=False):
   """2-D matrix product with float32 accumulation (float64 for float64).
 
   On the GPU, float32 operands use three TF32 passes (about float32
-  accuracy on the tensor cores); 16-bit operands use the tensor cores as
-  they are.
+  accuracy on the tensor cores), or plain float32 FMAs with ``exact`` (for
+  tiny products); 16-bit operands use the tensor cores as they are.
   """
   dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
   acc = accumulator(a.dtype)
   precision = lax.Precision.HIGHEST
-  if a.dtype == jnp.float32 and not interpret_mode():
+  if a.dtype == jnp.float32 and not interpret_mode() and not exact:
     precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
   return lax.dot_general(a, b, dims, precision=precision,
                          preferred_element_type=acc)

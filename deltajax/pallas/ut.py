@@ -2,10 +2,10 @@
 
 ``A = diag(b) (Gamma * K K^T)`` (GDN seed, section 2.3) is strictly lower, so
 ``I + A`` is unit lower triangular: never singular, no pivoting. It is
-inverted by blocks of 16: each diagonal block by forward substitution, the
+inverted by blocks of 16: the diagonal blocks by forward substitution, the
 blocks below by block forward substitution,
 ``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``, with dots of Triton's minimum
-size. Substitution, unlike a power series of ``A``, stays accurate for
+size; the blocks are then assembled into one ``[C, C]`` value. Substitution, unlike a power series of ``A``, stays accurate for
 aligned keys with ``b`` near 2 (tests/test_pallas.py). Then
 ``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``.
 """
@@ -22,34 +22,63 @@ from deltajax.pallas import core
 from deltajax.pallas.core import SUB
 
 
-def _invert_unit_lower_block(a):
-  """``(I + a)^-1`` for a strictly lower ``[16, 16]`` value, row by row."""
-  rows, cols = core.iota(a.shape, 0), core.iota(a.shape, 1)
+def _invert_unit_lower_blocks(a):
+  """``(I + a_i)^-1`` for strictly lower ``a [n, 16, 16]``, all n at once, row by row."""
+  rows, cols = core.iota(a.shape, 1), core.iota(a.shape, 2)
   eye = (rows == cols).astype(a.dtype)
   t = eye
-  for r in range(1, a.shape[0]):
+  for r in range(1, a.shape[1]):
     # T[r] = e_r - sum_{j < r} a[r, j] T[j]; rows j < r of t are final.
-    a_r = jnp.sum(jnp.where(rows == r, a, 0), axis=0)
-    t = jnp.where(rows == r, eye - jnp.sum(a_r[:, None] * t, axis=0), t)
+    a_r = jnp.sum(jnp.where(rows == r, a, 0), axis=1)
+    t = jnp.where(rows == r,
+                  eye - jnp.sum(a_r[:, :, None] * t, axis=1)[:, None, :], t)
   return t
+
+
+def _stack(blocks):
+  """``[16, 16]`` values -> ``[n, 16, 16]`` (no concatenation in Triton)."""
+  n = len(blocks)
+  which = core.iota((n, SUB, SUB), 0)
+  return sum(jnp.where(which == i, x[None], 0) for i, x in enumerate(blocks))
+
+
+def _unstack(x):
+  which = core.iota(x.shape, 0)
+  return [jnp.sum(jnp.where(which == i, x, 0), axis=0)
+          for i in range(x.shape[0])]
 
 
 def inverse_blocks(a_block, n: int):
   """Blocks ``T[i, j]`` (``j <= i``) of ``(I + A)^-1``, A strictly lower.
+
+  The n diagonal blocks are inverted together (15 substitution steps on
+  ``[n, 16, 16]``); the ``[16, 16]`` products below them use plain float32
+  FMAs, which measured faster than tensor-core passes at this size.
 
   Args:
     a_block: ``a_block(i, j)`` gives the ``[16, 16]`` block ``A[i, j]``
       (``j <= i``), strictly lower when ``i == j``.
     n: number of 16-blocks in the chunk.
   """
+  a = {(i, m): a_block(i, m) for i in range(n) for m in range(i + 1)}
+  diagonal = _unstack(_invert_unit_lower_blocks(
+      _stack([a[i, i] for i in range(n)])))
+  mm = functools.partial(core.mm, exact=True)
   t = {}
   for i in range(n):
-    a = {m: a_block(i, m) for m in range(i + 1)}
-    t[i, i] = _invert_unit_lower_block(a[i])
+    t[i, i] = diagonal[i]
     for j in range(i):
-      t[i, j] = -core.mm(t[i, i], sum(core.mm(a[m], t[m, j])
-                                      for m in range(j, i)))
+      t[i, j] = -mm(t[i, i], sum(mm(a[i, m], t[m, j]) for m in range(j, i)))
   return t
+
+
+def _assemble(t, n):
+  """The ``[C, C]`` lower block-triangular matrix from its ``[16, 16]`` blocks."""
+  shape = (n, SUB, n, SUB)
+  bi, bj = core.iota(shape, 0), core.iota(shape, 2)
+  full = sum(jnp.where((bi == i) & (bj == j), x[None, :, None, :], 0)
+             for (i, j), x in t.items())
+  return full.reshape(n * SUB, n * SUB)
 
 
 def kk_matrix(k, g):
@@ -73,22 +102,18 @@ def _ut_kernel(k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, t_ref, k_end_ref):
     return (beta[i][:, None] * core.mm(k[i], k[j], trans_b=True)
             * core.decay(g[i], g[j], mask))
 
-  t = inverse_blocks(a_block, n)
-  x_k = [(beta[j][:, None] * jnp.exp(g[j])[:, None] * k[j].astype(acc)
-          ).astype(dtype) for j in range(n)]
-  x_v = [(beta[j][:, None] * v_ref[sub[j], :].astype(acc)).astype(dtype)
-         for j in range(n)]
-  g_end = core.last(g[-1])
-  for i in range(n):
-    t_i = [t[i, j].astype(dtype) for j in range(i + 1)]
-    w_ref[sub[i], :] = sum(core.mm(t_i[j], x_k[j]) for j in range(i + 1)
-                           ).astype(w_ref.dtype)
-    u_ref[sub[i], :] = sum(core.mm(t_i[j], x_v[j]) for j in range(i + 1)
-                           ).astype(u_ref.dtype)
-    k_end_ref[sub[i], :] = (k[i].astype(acc) * jnp.exp(g_end - g[i])[:, None]
-                            ).astype(k_end_ref.dtype)
-    for j in range(n):
-      t_ref[sub[i], sub[j]] = t[i, j] if j <= i else jnp.zeros((SUB, SUB), acc)
+  t = _assemble(inverse_blocks(a_block, n), n)
+  t_ref[...] = t
+  # [W | U] = T diag(b) [K e^g | V]: one [C, C] x [C, D] product each.
+  g_all, beta_all = g_ref[...].astype(acc), b_ref[...].astype(acc)
+  k_all = k_ref[...].astype(acc)
+  x_k = (beta_all * jnp.exp(g_all))[:, None] * k_all
+  x_v = beta_all[:, None] * v_ref[...].astype(acc)
+  t = t.astype(dtype)
+  w_ref[...] = core.mm(t, x_k.astype(dtype)).astype(w_ref.dtype)
+  u_ref[...] = core.mm(t, x_v.astype(dtype)).astype(u_ref.dtype)
+  k_end_ref[...] = (k_all * jnp.exp(core.last(g_all) - g_all)[:, None]
+                    ).astype(k_end_ref.dtype)
 
 
 def ut_transform(k, v, g, b, *, chunk_size, num_warps=2, num_stages=1):
@@ -145,32 +170,37 @@ def _ut_backward_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref,
                        trans_b=True)
     d_s_sum += jnp.sum(d_next * s)
     d_w -= core.mm(dd_ref[:, vs].astype(dtype), s.astype(dtype), trans_b=True)
+  # Each cotangent piece is folded into dk, dg, db as soon as it is known,
+  # so few [C, K] float32 tiles are live at once (register pressure).
   g_end = core.last(g)
   to_end = jnp.exp(g_end - g)[:, None]
-  k_end = k.astype(acc) * to_end
+  k_acc = k.astype(acc)
+  k_end = k_acc * to_end
+  dk = dk_out_ref[...] + d_k_end * to_end
+  dg = dg_out_ref[...] - jnp.sum(k_end * d_k_end, axis=1)
   d_g_end = jnp.sum(k_end * d_k_end) + jnp.exp(g_end) * d_s_sum
   # [W | U] = T diag(b) [K e^g | V]: d[W | U] -> dX = T^T d[W | U], dM.
   t = t_ref[...].astype(dtype)
   d_xk = core.mm(t, d_w.astype(dtype), trans_a=True)
   d_m = -core.mm(d_xk.astype(dtype), w_ref[...], trans_b=True)
-  db = 0
+  eg = jnp.exp(g)[:, None]
+  d_xk_kg = d_xk * k_acc * eg
+  db = jnp.sum(d_xk_kg, axis=1)
+  dg += beta * db
+  dk += (beta[:, None] * eg) * d_xk
   for vs in v_blocks:
     d_xv = core.mm(t, dd_ref[:, vs].astype(dtype), trans_a=True)
     dv_ref[:, vs] = (beta[:, None] * d_xv).astype(dv_ref.dtype)
     db += jnp.sum(d_xv * v_ref[:, vs], axis=1)
     d_m -= core.mm(d_xv.astype(dtype), u_ref[:, vs], trans_b=True)
   kk, e = kk_matrix(k, g)
-  kg = k.astype(acc) * jnp.exp(g)[:, None]
-  db_ref[...] = db + jnp.sum(d_xk * kg, axis=1) + jnp.sum(d_m * kk, axis=1)
+  db_ref[...] = db + jnp.sum(d_m * kk, axis=1)
   d_kk = beta[:, None] * d_m
-  d_kk_e = (d_kk * e).astype(dtype)
-  d_kg = beta[:, None] * d_xk
-  dk_ref[...] = (core.mm(d_kk_e, k) + core.mm(d_kk_e, k, trans_a=True)
-                 + d_kg * jnp.exp(g)[:, None] + d_k_end * to_end
-                 + dk_out_ref[...]).astype(dk_ref.dtype)
   p = d_kk * kk
-  dg = (jnp.sum(p, axis=1) - jnp.sum(p, axis=0) + jnp.sum(d_kg * kg, axis=1)
-        - jnp.sum(k_end * d_k_end, axis=1) + dg_out_ref[...])
+  dg += jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
+  d_kk_e = (d_kk * e).astype(dtype)
+  dk_ref[...] = (dk + core.mm(d_kk_e, k) + core.mm(d_kk_e, k, trans_a=True)
+                 ).astype(dk_ref.dtype)
   dg += jnp.where(core.iota((c,), 0) == c - 1, d_g_end, 0)
   # g is the cumulative sum of a within the chunk: da is the reverse cumsum.
   rows, cols = core.iota((c, c), 0), core.iota((c, c), 1)
