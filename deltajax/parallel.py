@@ -227,8 +227,9 @@ def _segment_affine_map(q, k, v, a, b, *, scale, impl, chunk_size):
   dtype = common.compute_dtype(q, k, v)
   bsz, t, h, dk = q.shape
   dv = v.shape[-1]
-  v_aug = jnp.concatenate([v.astype(dtype), jnp.zeros((bsz, t, h, dk), dtype)],
-                          axis=-1)
+  # The extra value columns are zeros, in v's dtype: 16-bit inputs keep the
+  # 16-bit kernels.
+  v_aug = jnp.concatenate([v, jnp.zeros((bsz, t, h, dk), v.dtype)], axis=-1)
   identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, h, dk, dk))
   s_aug = jnp.concatenate([jnp.zeros((bsz, h, dk, dv), dtype), identity],
                           axis=-1)

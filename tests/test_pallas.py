@@ -97,6 +97,21 @@ def test_inverse_is_stable_for_aligned_keys(beta):
   assert np.max(np.abs(got - expected)) < 1e-4 * np.max(np.abs(expected))
 
 
+def test_pallas_mixed_input_dtypes():
+  """bf16 q, k with float32 v run in float32 and match chunked; each gradient
+  comes back in its input's dtype."""
+  args, cts = _inputs((1, 40, 1, 16, 16), seed=11)
+  dtypes = (jnp.bfloat16, jnp.bfloat16) + (jnp.float32,) * 4
+  args = tuple(jnp.asarray(x, d) for x, d in zip(args, dtypes))
+  got, got_grads = _value_and_grads("pallas", args, cts, 16)
+  ref, ref_grads = _value_and_grads("chunked", args, cts, 16)
+  for x, y, d in zip((*got, *got_grads), (*ref, *ref_grads),
+                     (jnp.float32,) * 2 + dtypes):
+    assert x.dtype == d
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.linalg.norm(x - y) / np.linalg.norm(y) < 1e-2
+
+
 def test_pallas_rejects_per_channel_gate_and_small_chunks():
   args, _ = _inputs((1, 16, 1, 16, 16), seed=1)
   q, k, v, a, b, _ = (jnp.asarray(x, jnp.float32) for x in args)

@@ -28,9 +28,11 @@ def _gates(a, b, chunk_size, dtype):
 
 
 def _padded(q, k, v, state):
+  """q, k, v in one dtype (the kernels' dots need it), head dims padded."""
+  dtype = jnp.result_type(q, k, v)
   kp, vp = core.padded_dim(q.shape[-1]), core.padded_dim(v.shape[-1])
-  q, k = common.pad_axis(q, 3, kp), common.pad_axis(k, 3, kp)
-  v = common.pad_axis(v, 3, vp)
+  q, k = (common.pad_axis(x.astype(dtype), 3, kp) for x in (q, k))
+  v = common.pad_axis(v.astype(dtype), 3, vp)
   state = common.pad_axis(common.pad_axis(state, 2, kp), 3, vp)
   return q, k, v, state
 
@@ -66,7 +68,7 @@ def _backward(scale, chunk_size, inputs, saved, cotangents):
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, _ = _padded(q, k, v, initial_state)
-  d_o = common.pad_axis(d_o.astype(v.dtype), 3, vp.shape[-1])
+  d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final = _padded(q, k, v, d_final.astype(acc))[3]
   w, u, t, k_end = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
   dq, dk_out, dg_out, d_delta = output.output_backward(
@@ -80,7 +82,8 @@ def _backward(scale, chunk_size, inputs, saved, cotangents):
   n_k, n_v = q.shape[-1], v.shape[-1]
   da = jnp.transpose(da, (0, 2, 1))[..., None]
   db = jnp.transpose(db, (0, 2, 1))
-  return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da.astype(a.dtype),
+  return (dq[..., :n_k].astype(q.dtype), dk[..., :n_k].astype(k.dtype),
+          dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
           db.astype(b.dtype),
           d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
 
