@@ -8,7 +8,8 @@ forward and forward+backward of each implementation, median of ``--reps``
 runs after warm-up (``block_until_ready`` for JAX, CUDA events for PyTorch),
 and a decoding step timed inside a jitted loop of 100 steps. Prints a
 markdown table with ratios to fla, and writes ``results.md`` and
-``time_vs_t.png`` (time against T, log scale) into ``--out``.
+``time_vs_t.png`` (time against T, log scale) into ``--out``, after each
+shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
 """
 
 from __future__ import annotations
@@ -208,6 +209,22 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def read_table(path):
+  """Rows back from tables written by :func:`table` (to re-plot saved runs);
+  of rows with the same shape and implementation, the first one counts
+  (RESULTS.md lists the newest run first)."""
+  rows = {}
+  with open(path) as f:
+    for line in f:
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if len(cells) == 7 and cells[0][:1].isdigit():
+        shape = tuple(int(x) for x in cells[0].split(","))
+        rows.setdefault((shape, cells[1]), dict(
+            shape=shape, impl=cells[1], fwd=float(cells[2]),
+            fwd_bwd=float(cells[3])))
+  return list(rows.values())
+
+
 def plot(rows, path):
   """Time against T (forward+backward, log scale), one line per implementation."""
   import matplotlib
@@ -235,24 +252,29 @@ def main():
   parser.add_argument("--impls", nargs="*", default=None,
                       help="deltajax implementations to time (default: all)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--replot", metavar="TABLE_MD", default=None,
+                      help="only redraw time_vs_t.png from a saved table")
   args = parser.parse_args()
+  if args.replot:
+    plot(read_table(args.replot), os.path.join(args.out, "time_vs_t.png"))
+    return
   shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.shapes)
             if args.shapes else DEFAULT_SHAPES)
   log(f"devices: {jax.devices()}  jax {jax.__version__}")
   os.makedirs(args.out, exist_ok=True)
 
-  def write(text):
+  def write(rows, text):
     with open(os.path.join(args.out, "results.md"), "w") as f:
       f.write(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}"
               f"\n\n{text}\n")
+    plot(rows, os.path.join(args.out, "time_vs_t.png"))
 
   rows = run(shapes, args.reps, args.impls,
-             on_shape=lambda rows: write(table(rows)))
+             on_shape=lambda rows: write(rows, table(rows)))
   decode_us = time_decode_step()
   text = (f"{table(rows)}\n\nDecoding step (B=4, H=16, D=128, jitted loop of "
           f"100 steps): {decode_us:.1f} us/step")
-  write(text)
-  plot(rows, os.path.join(args.out, "time_vs_t.png"))
+  write(rows, text)
   print(text)
 
 

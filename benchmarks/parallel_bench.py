@@ -17,8 +17,8 @@ For each T it prints the forward and forward+backward time of
 ``gated_delta_sequence_parallel`` on each device count, and the pieces of a
 device's work that the design rests on: one device's segment with V and with
 V + K value columns (the augmented pass that also yields the segment's
-transition), and the cross-device combine done by all-gather (deltajax's)
-against log2(D) rounds of ppermute doubling.
+transition), and the cross-device combine done by log2(D) rounds of
+ppermute doubling (deltajax's) against an all-gather of every map.
 """
 
 import argparse
@@ -124,31 +124,20 @@ def segment_pass_ms(t):
           for dv in (ARGS.dv, ARGS.dv + ARGS.dk)]
 
 
-def combine_doubling(f, g, initial_state, axis_name):
-  """The alternative combine: Hillis-Steele over devices with ppermute.
-
-  After round r, device d holds the composition of segments
-  ``max(0, d - 2^r + 1) .. d``; a last shift hands each device the state
-  after the segment before it.
-  """
-  n = lax.axis_size(axis_name)
-  index = lax.axis_index(axis_name)
-  shift = 1
-  while shift < n:
-    pairs = [(i, i + shift) for i in range(n - shift)]
-    f_prev = lax.ppermute(f, axis_name, pairs)
-    g_prev = lax.ppermute(g, axis_name, pairs)
-    has_prev = index >= shift
-    f, g = (jnp.where(has_prev, f @ f_prev, f),
-            jnp.where(has_prev, f @ g_prev + g, g))
-    shift *= 2
-  after = lax.ppermute(f @ initial_state + g, axis_name,
-                       [(i, i + 1) for i in range(n - 1)])
-  return jnp.where(index == 0, initial_state, after)
+def combine_all_gather(f, g, initial_state, axis_name):
+  """The alternative combine: all-gather every segment's map, then each
+  device applies the maps before its own, one after another."""
+  dv = g.shape[-1]
+  maps = lax.all_gather(jnp.concatenate([g, f], axis=-1), axis_name)
+  entry_states = [initial_state]
+  for segment_map in maps[:-1]:
+    entry_states.append(segment_map[..., dv:] @ entry_states[-1]
+                        + segment_map[..., :dv])
+  return jnp.stack(entry_states)[lax.axis_index(axis_name)]
 
 
 def combine_ms(mesh):
-  """Time of deltajax's all-gather combine and of ppermute doubling."""
+  """Time of deltajax's combine (ppermute doubling) and of all-gather."""
   n = mesh.shape["sp"]
   dk, dv, shape = ARGS.dk, ARGS.dv, (n * ARGS.b, ARGS.h)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -159,8 +148,8 @@ def combine_ms(mesh):
   f, g = jax.device_put((f, g), segment)
   s0 = jax.device_put(s0, NamedSharding(mesh, P()))
   results, times = [], []
-  gather = parallel._segment_initial_state  # pylint: disable=protected-access
-  for combine in (gather, combine_doubling):
+  doubling = parallel._segment_initial_state  # pylint: disable=protected-access
+  for combine in (doubling, combine_all_gather):
     fn = jax.jit(jax.shard_map(
         lambda f, g, s, combine=combine: combine(f, g, s, "sp"), mesh=mesh,
         in_specs=(P("sp"), P("sp"), P()), out_specs=P("sp")))
@@ -178,7 +167,7 @@ def main():
         f"{ARGS.dtype}; median of {ARGS.reps}")
   print("| T | devices | fwd ms | fwd+bwd ms | fwd speedup | fwd+bwd speedup "
         "| max abs diff vs 1 device | segment fwd ms, V / V+K columns "
-        "| combine ms, all-gather / doubling |")
+        "| combine ms, doubling (deltajax) / all-gather |")
   print("|---|---|---|---|---|---|---|---|---|")
   for t in ARGS.t:
     x = make_inputs(t)

@@ -99,8 +99,8 @@ def test_gated_delta_inside_a_users_shard_map(results, impl):
 @pytest.mark.parametrize("pass_", ["fwd", "grad"])
 def test_sequence_parallel_moves_only_segment_maps(results, pass_):
   row = results[("sequence-hlo", pass_)]
-  assert "all-gather" in row["collectives"]
-  assert set(row["collectives"]) <= {"all-gather", "reduce-scatter",
+  assert "collective-permute" in row["collectives"]
+  assert set(row["collectives"]) <= {"collective-permute", "reduce-scatter",
                                      "all-reduce"}
   for op, types in row["collectives"].items():
     for t in types:
