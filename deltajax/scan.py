@@ -17,15 +17,12 @@ from deltajax import common
 
 def _token_major(x: jax.Array, chunk_size: int) -> jax.Array:
   """``[B, T, H, ...]`` -> ``[N, C, B, H, ...]``."""
-  b, t, h = x.shape[:3]
-  x = x.reshape(b, t // chunk_size, chunk_size, h, *x.shape[3:])
-  return jnp.moveaxis(x, (1, 2), (0, 1))
+  return jnp.moveaxis(common.to_chunks(x, chunk_size), 3, 1)
 
 
 def _batch_major(x: jax.Array) -> jax.Array:
   """Inverse of :func:`_token_major`."""
-  n, c, b, h = x.shape[:4]
-  return jnp.moveaxis(x, (0, 1), (1, 2)).reshape(b, n * c, h, *x.shape[4:])
+  return common.from_chunks(jnp.moveaxis(x, 1, 3))
 
 
 def _prepare(q, k, v, a, b, scale, chunk_size, dtype):
