@@ -10,6 +10,7 @@ import pytest
 
 import deltajax
 from deltajax import pallas
+from deltajax.pallas import ops
 from deltajax.pallas import ut
 
 pytestmark = pytest.mark.skipif(
@@ -98,11 +99,14 @@ def test_inverse_is_stable_for_aligned_keys(beta):
 
 
 def test_pallas_mixed_input_dtypes():
-  """bf16 q, k with float32 v run in float32 and match chunked; each gradient
-  comes back in its input's dtype."""
+  """bf16 q, k with float32 v reach the kernels in one dtype (a Triton dot
+  needs it), match chunked, and each gradient comes back in its input's
+  dtype."""
   args, cts = _inputs((1, 40, 1, 16, 16), seed=11)
   dtypes = (jnp.bfloat16, jnp.bfloat16) + (jnp.float32,) * 4
   args = tuple(jnp.asarray(x, d) for x, d in zip(args, dtypes))
+  q, k, v, *_ = ops._padded(*args[:3], args[5])  # pylint: disable=protected-access
+  assert q.dtype == k.dtype == v.dtype == jnp.float32
   got, got_grads = _value_and_grads("pallas", args, cts, 16)
   ref, ref_grads = _value_and_grads("chunked", args, cts, 16)
   for x, y, d in zip((*got, *got_grads), (*ref, *ref_grads),

@@ -5,9 +5,10 @@
 inverted by blocks of 16: the diagonal blocks by forward substitution, the
 blocks below by block forward substitution,
 ``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``, with dots of Triton's minimum
-size; the blocks are then assembled into one ``[C, C]`` value. Substitution, unlike a power series of ``A``, stays accurate for
-aligned keys with ``b`` near 2 (tests/test_pallas.py). Then
-``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``.
+size; the blocks are then assembled into one ``[C, C]`` value. Substitution,
+unlike a power series of ``A``, stays accurate for aligned keys with ``b``
+near 2 (tests/test_pallas.py). Then ``W = T diag(b) (K e^g)`` and
+``U = T diag(b) V``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _stack(blocks):
 
 
 def _unstack(x):
+  """Inverse of :func:`_stack`: ``[n, 16, 16]`` -> n ``[16, 16]`` values."""
   which = core.iota(x.shape, 0)
   return [jnp.sum(jnp.where(which == i, x, 0), axis=0)
           for i in range(x.shape[0])]
