@@ -226,7 +226,7 @@ def read_table(path):
 
 
 def plot(rows, path):
-  """Time against B*T*H (forward, forward+backward; log scales), a line per implementation."""
+  """Time against B*T*H, forward and forward+backward, one line per impl."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
