@@ -18,19 +18,17 @@ from benchmarks.benchmark import make_inputs, median_ms
 from deltajax.pallas import ops, output, state, ut
 
 VARIANTS = {
-    "ut_transform": [dict(num_warps=w, num_stages=1) for w in (2, 4)],
+    "inverse": [dict(num_warps=w) for w in (1, 2)],
+    "w_u": [dict(num_warps=w) for w in (2, 4)],
     "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                     ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2),
-                      (32, 2, 2))],
-    "output": [dict(block_v=bv, num_warps=w, num_stages=1) for bv, w in
-               ((64, 4), (128, 4), (64, 8))],
-    "output_backward": [dict(block_v=bv, num_warps=w) for bv, w in
-                        ((32, 4), (64, 4), (64, 8))],
-    "backward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                      ((32, 4, 3), (64, 4, 2), (64, 8, 2))],
-    "ut_backward": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                    ((32, 4, 1), (64, 4, 1), (64, 4, 2), (64, 8, 1),
-                     (64, 8, 2), (128, 8, 1))],
+                     ((64, 4, 3), (32, 4, 2))],
+    "output": [dict(block_v=bv, num_warps=4, num_stages=2) for bv in (128, 64)],
+    "output_backward": [dict(block_v=bv, num_warps=w, num_stages=s)
+                        for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
+    "backward_scan": [dict(block_v=64, num_warps=w, num_stages=1)
+                      for w in (8, 4)],
+    "ut_backward": [dict(block_v=bv, num_warps=4, num_stages=s) for bv, s in
+                    ((64, 2), (64, 1), (32, 2), (128, 1))],
 }
 
 
@@ -41,15 +39,16 @@ def stage_inputs(shape, c=64):
   g, beta = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), c,
                        jnp.float32)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
-  w, u, t, k_end = ut.ut_transform(k, v, g, beta, chunk_size=c)
+  t = ut.inverse(k, g, beta, chunk_size=c)
+  w, u, k_end = ut.w_u(k, v, g, beta, t, chunk_size=c)
   delta, states, _ = state.forward_scan(w, u, k_end, g, s0, chunk_size=c)
   _, dk_out, dg_out, dd_local = output.output_backward(q, k, g, states, delta, do,
                                              chunk_size=c, scale=0.1)
   d_delta, d_next, _ = state.backward_scan(q, k_end, w, g, do, dd_local, s0,
                                            chunk_size=c, scale=0.1)
   calls = {
-      "ut_transform": lambda **o: ut.ut_transform(k, v, g, beta, chunk_size=c,
-                                                  **o),
+      "inverse": lambda **o: ut.inverse(k, g, beta, chunk_size=c, **o),
+      "w_u": lambda **o: ut.w_u(k, v, g, beta, t, chunk_size=c, **o),
       "forward_scan": lambda **o: state.forward_scan(w, u, k_end, g, s0,
                                                      chunk_size=c, **o),
       "output": lambda **o: output.output(q, k, g, states, delta, chunk_size=c,
@@ -83,7 +82,7 @@ def main():
     for opts in variants:
       fn = jax.jit(functools.partial(calls[name], **opts))
       try:
-        ms = median_ms(lambda: jax.block_until_ready(fn()), 20)
+        ms = median_ms(fn, 20)
         print(f"| {name} | {opts} | {ms:.3f} |", flush=True)
       except Exception as e:  # a launch that does not compile (e.g. smem)
         print(f"| {name} | {opts} | failed: {str(e).splitlines()[0][:80]} |",

@@ -80,6 +80,15 @@ def test_pallas_low_precision_matches_float64_reference(dtype, tol):
     assert rel < tol
 
 
+def _block_inverse(a):
+  """``(I + a)^-1`` from :func:`ut.inverse_blocks`, as one numpy matrix."""
+  n = a.shape[0] // 16
+  blocks = ut.inverse_blocks(
+      lambda i, j: jnp.asarray(a[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)]), n)
+  return np.block([[np.asarray(blocks[i, j]) if j <= i else np.zeros((16, 16))
+                    for j in range(n)] for i in range(n)])
+
+
 @pytest.mark.parametrize("beta", [1.0, 1.99])
 def test_inverse_is_stable_for_aligned_keys(beta):
   """Identical keys: a power series of A would cancel catastrophically."""
@@ -89,13 +98,22 @@ def test_inverse_is_stable_for_aligned_keys(beta):
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   a = np.tril(beta * (k @ k.T), -1)
   expected = np.linalg.inv(np.eye(c) + a)
-  n = c // 16
-  blocks = ut.inverse_blocks(
-      lambda i, j: jnp.asarray(a[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)],
-                               jnp.float32), n)
-  got = np.block([[np.asarray(blocks[i, j]) if j <= i else np.zeros((16, 16))
-                   for j in range(n)] for i in range(n)])
+  got = _block_inverse(a.astype(np.float32))
   assert np.max(np.abs(got - expected)) < 1e-4 * np.max(np.abs(expected))
+
+
+@pytest.mark.parametrize("c", [16, 32, 128])
+def test_inverse_with_decay_in_float64(c):
+  """Random keys and b, a strong decay; chunk sizes the other tests skip."""
+  rng = np.random.default_rng(c)
+  k = rng.standard_normal((c, 24))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  g = np.cumsum(-rng.uniform(0, 0.5, c))
+  a = np.tril(rng.uniform(0, 2, (c, 1)) * (k @ k.T)
+              * np.exp(np.minimum(g[:, None] - g[None, :], 0)), -1)
+  with jax.enable_x64(True):
+    got = _block_inverse(a)
+  np.testing.assert_allclose(got @ (np.eye(c) + a), np.eye(c), atol=1e-13)
 
 
 def test_pallas_mixed_input_dtypes():

@@ -86,19 +86,22 @@ def accumulator(dtype):
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def mm(a, b, *, trans_a=False, trans_b=False, exact=False):
+def mm(a, b, *, trans_a=False, trans_b=False, precision="tf32x3"):
   """2-D matrix product with float32 accumulation (float64 for float64).
 
-  On the GPU, float32 operands use three TF32 passes (about float32
-  accuracy on the tensor cores), or plain float32 FMAs with ``exact`` (for
-  tiny products); 16-bit operands use the tensor cores as they are.
+  16-bit operands use the tensor cores as they are. On the GPU, float32
+  operands use ``precision``: "tf32x3" (three TF32 passes on the tensor
+  cores, about float32 accuracy), "tf32" (one pass, 10-bit mantissas) or
+  "ieee" (plain float32 FMAs). Interpret mode computes exactly.
   """
   dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
   acc = accumulator(a.dtype)
-  precision = lax.Precision.HIGHEST
-  if a.dtype == jnp.float32 and not interpret_mode() and not exact:
-    precision = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-  return lax.dot_general(a, b, dims, precision=precision,
+  algorithm = lax.Precision.HIGHEST
+  if a.dtype == jnp.float32 and not interpret_mode():
+    algorithm = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                 "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+                 "ieee": lax.Precision.HIGHEST}[precision]
+  return lax.dot_general(a, b, dims, precision=algorithm,
                          preferred_element_type=acc)
 
 

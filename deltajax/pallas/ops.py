@@ -1,11 +1,12 @@
 """``impl="pallas"``: the chunked algorithm as Pallas kernels, with its custom_vjp.
 
-Forward: :func:`ut.ut_transform` (parallel) -> :func:`state.forward_scan`
-(sequential over chunks) -> :func:`output.output` (parallel). Backward:
-:func:`output.output_backward` (parallel) -> :func:`state.backward_scan`
-(sequential, reverse) -> :func:`ut.ut_backward` (parallel). The backward
-keeps the chunk-entry states and ``Delta`` from the forward and recomputes the
-UT transform: memory ``O(T (K + V) + (T / C) K V)`` per head.
+Forward: :func:`ut.inverse` and :func:`ut.w_u` (parallel over chunks) ->
+:func:`state.forward_scan` (sequential over chunks) -> :func:`output.output`
+(parallel). Backward: :func:`output.output_backward` (parallel) ->
+:func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
+(parallel). The backward keeps the forward's ``T``, ``W``, ``U``,
+``K e^{g_C - g}``, ``Delta`` and chunk-entry states, so nothing is
+recomputed: memory ``O(T (K + V) + (T / C) K V)`` per head.
 """
 
 from __future__ import annotations
@@ -52,25 +53,26 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, s0 = _padded(q, k, v, initial_state)
-  w, u, _, k_end = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
+  t = ut.inverse(kp, g, beta, chunk_size=chunk_size)
+  w, u, k_end = ut.w_u(kp, vp, g, beta, t, chunk_size=chunk_size)
   delta, states, final = state.forward_scan(w, u, k_end, g, s0,
                                             chunk_size=chunk_size)
   o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
                     scale=scale, out_dtype=v.dtype)
   n_k, n_v = q.shape[-1], v.shape[-1]
-  return (o[..., :n_v], final[..., :n_k, :n_v]), (states, delta)
+  return ((o[..., :n_v], final[..., :n_k, :n_v]),
+          (t, w, u, k_end, states, delta))
 
 
 def _backward(scale, chunk_size, inputs, saved, cotangents):
   q, k, v, a, b, initial_state = inputs
-  states, delta = saved
+  t, w, u, k_end, states, delta = saved
   d_o, d_final = cotangents
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, _ = _padded(q, k, v, initial_state)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final = _padded(q, k, v, d_final.astype(acc))[3]
-  w, u, t, k_end = ut.ut_transform(kp, vp, g, beta, chunk_size=chunk_size)
   dq, dk_out, dg_out, d_delta = output.output_backward(
       qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
   d_delta, d_next, d_initial = state.backward_scan(

@@ -1,4 +1,4 @@
-"""UT transform kernel: per chunk, ``T = (I + strictLower(A))^-1``, ``W`` and ``U``.
+"""UT transform kernels: per chunk, ``T = (I + A)^-1``, then ``W`` and ``U``.
 
 ``A = diag(b) (Gamma * K K^T)`` (GDN seed, section 2.3) is strictly lower, so
 ``I + A`` is unit lower triangular: never singular, no pivoting. It is
@@ -7,8 +7,9 @@ blocks below by block forward substitution,
 ``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``, with dots of Triton's minimum
 size; the blocks are then assembled into one ``[C, C]`` value. Substitution,
 unlike a power series of ``A``, stays accurate for aligned keys with ``b``
-near 2 (tests/test_pallas.py). Then ``W = T diag(b) (K e^g)`` and
-``U = T diag(b) V``.
+near 2 (tests/test_pallas.py). A second kernel forms ``W = T diag(b) (K e^g)``
+and ``U = T diag(b) V``: two kernels, each with its own warp count, measured
+faster than one.
 """
 
 from __future__ import annotations
@@ -50,22 +51,22 @@ def _unstack(x):
           for i in range(x.shape[0])]
 
 
-def inverse_blocks(a_block, n: int):
+def inverse_blocks(a_block, n: int, precision: str = "ieee"):
   """Blocks ``T[i, j]`` (``j <= i``) of ``(I + A)^-1``, A strictly lower.
 
   The n diagonal blocks are inverted together (15 substitution steps on
-  ``[n, 16, 16]``); the ``[16, 16]`` products below them use plain float32
-  FMAs, which measured faster than tensor-core passes at this size.
+  ``[n, 16, 16]``), then the blocks below them by ``[16, 16]`` products in
+  ``precision`` (:func:`core.mm`).
 
   Args:
-    a_block: ``a_block(i, j)`` gives the ``[16, 16]`` block ``A[i, j]``
-      (``j <= i``), strictly lower when ``i == j``.
+    a_block: ``a_block(i, j)`` gives the float32 ``[16, 16]`` block
+      ``A[i, j]`` (``j <= i``), strictly lower when ``i == j``.
     n: number of 16-blocks in the chunk.
   """
   a = {(i, m): a_block(i, m) for i in range(n) for m in range(i + 1)}
   diagonal = _unstack(_invert_unit_lower_blocks(
       _stack([a[i, i] for i in range(n)])))
-  mm = functools.partial(core.mm, exact=True)
+  mm = functools.partial(core.mm, precision=precision)
   t = {}
   for i in range(n):
     t[i, i] = diagonal[i]
@@ -89,12 +90,11 @@ def kk_matrix(k, g):
   return core.mm(k, k, trans_b=True) * e, e
 
 
-def _ut_kernel(k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, t_ref, k_end_ref):
-  """One chunk: ``k [C, K]``, ``v [C, V]``, ``g, b [C]`` -> ``W``, ``U``,
-  ``T [C, C]`` and the keys decayed to the chunk end ``K e^{g_C - g}``."""
+def _inverse_kernel(k_ref, g_ref, b_ref, t_ref):
+  """One chunk: ``k [C, K]``, ``g, b [C]`` -> ``T [C, C]``."""
   n = k_ref.shape[0] // SUB
   sub = [pl.ds(i * SUB, SUB) for i in range(n)]
-  dtype, acc = k_ref.dtype, t_ref.dtype
+  acc = core.accumulator(k_ref.dtype)
   k = [k_ref[s, :] for s in sub]
   g = [g_ref[s].astype(acc) for s in sub]
   beta = [b_ref[s].astype(acc) for s in sub]
@@ -104,51 +104,80 @@ def _ut_kernel(k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, t_ref, k_end_ref):
     return (beta[i][:, None] * core.mm(k[i], k[j], trans_b=True)
             * core.decay(g[i], g[j], mask))
 
-  t = _assemble(inverse_blocks(a_block, n), n)
-  t_ref[...] = t
-  # [W | U] = T diag(b) [K e^g | V]: one [C, C] x [C, D] product each.
-  g_all, beta_all = g_ref[...].astype(acc), b_ref[...].astype(acc)
-  k_all = k_ref[...].astype(acc)
-  x_k = (beta_all * jnp.exp(g_all))[:, None] * k_all
-  x_v = beta_all[:, None] * v_ref[...].astype(acc)
-  t = t.astype(dtype)
-  w_ref[...] = core.mm(t, x_k.astype(dtype)).astype(w_ref.dtype)
-  u_ref[...] = core.mm(t, x_v.astype(dtype)).astype(u_ref.dtype)
-  k_end_ref[...] = (k_all * jnp.exp(core.last(g_all) - g_all)[:, None]
+  # T is used in k's dtype: for 16-bit inputs, one TF32 pass (10-bit
+  # mantissas) is more than enough; float32 inputs get exact products.
+  precision = "ieee" if k_ref.dtype == jnp.float32 else "tf32"
+  t_ref[...] = _assemble(inverse_blocks(a_block, n, precision),
+                         n).astype(t_ref.dtype)
+
+
+def _w_u_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, k_end_ref):
+  """One chunk: ``[W | U] = T diag(b) [K e^g | V]`` and ``K e^{g_C - g}``."""
+  acc = core.accumulator(k_ref.dtype)
+  g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
+  k = k_ref[...].astype(acc)
+  t = t_ref[...]
+  x_k = (beta * jnp.exp(g))[:, None] * k
+  x_v = beta[:, None] * v_ref[...].astype(acc)
+  w_ref[...] = core.mm(t, x_k.astype(t.dtype)).astype(w_ref.dtype)
+  u_ref[...] = core.mm(t, x_v.astype(t.dtype)).astype(u_ref.dtype)
+  k_end_ref[...] = (k * jnp.exp(core.last(g) - g)[:, None]
                     ).astype(k_end_ref.dtype)
 
 
-def ut_transform(k, v, g, b, *, chunk_size, num_warps=2, num_stages=1):
-  """UT transform of every chunk.
-
-  Args:
-    k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (K, V padded to powers of two).
-    g: ``[B, H, T]`` chunk-local cumulative log gate; b: ``[B, H, T]``.
-
-  Returns:
-    ``(w [B, T, H, K], u [B, T, H, V], t [B, H, T, C], k_end [B, T, H, K])``:
-    W, U and ``K e^{g_C - g}`` in k's dtype, and the inverse ``T`` of each
-    chunk (the chunk's ``[C, C]`` block at its rows) in float32 (float64 for
-    float64 inputs).
-  """
-  bsz, t_len, h, dk = k.shape
-  dv = v.shape[-1]
+def _chunk_specs(chunk_size):
+  """BlockSpec makers for grid ``(B, H, N)``: token rows, gates, ``[C, C]`` blocks."""
   c = chunk_size
   tok = lambda d: core.block(None, c, None, d)(lambda i, j, n: (i, n, j, 0))
   gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))
-  acc = core.accumulator(k.dtype)
+  square = core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0))
+  return tok, gate, square
+
+
+def inverse(k, g, b, *, chunk_size, num_warps=1, num_stages=1):
+  """``T = (I + A)^-1`` of every chunk.
+
+  Args:
+    k: ``[B, T, H, K]`` (K a power of two); g: ``[B, H, T]`` chunk-local
+      cumulative log gate; b: ``[B, H, T]``.
+
+  Returns:
+    ``t [B, H, T, C]`` in k's dtype: each chunk's ``[C, C]`` inverse at its
+    rows.
+  """
+  bsz, t_len, h, dk = k.shape
+  tok, gate, square = _chunk_specs(chunk_size)
   return core.call(
-      _ut_kernel, grid=(bsz, h, t_len // c),
-      in_specs=[tok(dk), tok(dv), gate, gate],
-      out_specs=[tok(dk), tok(dv),
-                 core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0)),
-                 tok(dk)],
+      _inverse_kernel, grid=(bsz, h, t_len // chunk_size),
+      in_specs=[tok(dk), gate, gate], out_specs=square,
+      out_shape=jax.ShapeDtypeStruct((bsz, h, t_len, chunk_size), k.dtype),
+      num_warps=num_warps, num_stages=num_stages,
+      name="deltajax_ut_inverse")(k, g, b)
+
+
+def w_u(k, v, g, b, t, *, chunk_size, num_warps=4, num_stages=1):
+  """``W``, ``U`` and the keys decayed to the chunk end, chunk by chunk.
+
+  Args:
+    k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, b: ``[B, H, T]``;
+    t: ``[B, H, T, C]`` from :func:`inverse`.
+
+  Returns:
+    ``(w [B, T, H, K], u [B, T, H, V], k_end [B, T, H, K])`` in k's dtype:
+    ``W = T diag(b) (K e^g)``, ``U = T diag(b) V``, ``K e^{g_C - g}``.
+  """
+  bsz, t_len, h, dk = k.shape
+  dv = v.shape[-1]
+  tok, gate, square = _chunk_specs(chunk_size)
+  return core.call(
+      _w_u_kernel, grid=(bsz, h, t_len // chunk_size),
+      in_specs=[tok(dk), tok(dv), gate, gate, square],
+      out_specs=[tok(dk), tok(dv), tok(dk)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, t_len, c), acc),
                  jax.ShapeDtypeStruct(k.shape, k.dtype)],
       num_warps=num_warps, num_stages=num_stages,
-      name="deltajax_ut_transform")(k, v, g, b)
+      name="deltajax_ut_w_u")(k, v, g, b, t)
 
 
 def _ut_backward_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref,
@@ -159,7 +188,7 @@ def _ut_backward_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref,
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
   adding the output's shares ``dk_out``, ``dg_out``."""
   k = k_ref[...]
-  dtype, acc = k.dtype, t_ref.dtype
+  dtype, acc = k.dtype, core.accumulator(k.dtype)
   c = k.shape[0]
   g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
   v_blocks = core.blocks(v_ref.shape[1], block_v)
@@ -215,7 +244,7 @@ def ut_backward(k, v, g, b, t, w, u, states, d_next, delta, d_delta, dk_out,
 
   Args:
     k, w: ``[B, T, H, K]``; v, u, delta: ``[B, T, H, V]``; g, b: ``[B, H, T]``;
-    t: ``[B, H, T, C]`` from :func:`ut_transform`; states, d_next:
+    t: ``[B, H, T, C]`` from :func:`inverse`; states, d_next:
     ``[B, H, N, K, V]``; d_delta: ``[B, T, H, V]``; dk_out ``[B, T, H, K]``
     and dg_out ``[B, H, T]``: the output's shares of dk and dg.
 
@@ -225,7 +254,7 @@ def ut_backward(k, v, g, b, t, w, u, states, d_next, delta, d_delta, dk_out,
   """
   bsz, t_len, h, dk = k.shape
   dv, c = v.shape[-1], chunk_size
-  acc = t.dtype
+  acc = core.accumulator(k.dtype)
   keys = core.block(None, c, None, dk)(lambda i, j, n: (i, n, j, 0))
   vals = core.block(None, c, None, dv)(lambda i, j, n: (i, n, j, 0))
   gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))
