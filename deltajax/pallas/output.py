@@ -49,7 +49,7 @@ def _output_backward_kernel(q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref,
 
 
 def output(q, k, g, states, delta, *, chunk_size, scale, out_dtype,
-           block_v=128, num_warps=4, num_stages=2):
+           block_v=128, num_warps=4, num_stages=1):
   """Chunk outputs.
 
   Args:
