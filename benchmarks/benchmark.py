@@ -6,9 +6,9 @@
 For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates:
 forward and forward+backward of each implementation and of fla (timed the
 same way: :func:`median_ms`), and a decoding step timed inside a jitted loop
-of 100 steps. Prints a markdown table with ratios to fla, and writes ``results.md`` and
-``time_vs_t.png`` (time against T, log scale) into ``--out``, after each
-shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
+of 100 steps. Prints a markdown table with ratios to fla, and writes
+``results.md`` and ``time_vs_t.png`` (time against T, log scale) into
+``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
 """
 
 from __future__ import annotations

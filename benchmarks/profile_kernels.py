@@ -22,7 +22,7 @@ VARIANTS = {
     "w_u": [dict(num_warps=w) for w in (2, 4)],
     "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
                      ((64, 4, 3), (32, 4, 2))],
-    "output": [dict(block_v=bv, num_warps=4, num_stages=2) for bv in (128, 64)],
+    "output": [dict(block_v=bv) for bv in (128, 64)],
     "output_backward": [dict(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
     "backward_scan": [dict(block_v=64, num_warps=w, num_stages=1)

@@ -71,7 +71,7 @@ def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
   """Pipeline depth for a chunk loop: Triton keeps one copy of each step's
   loaded tiles per stage in shared memory (232 KB on the H200; the rest of
   the kernel took 32 KB at K = 256)."""
-  return int(max(1, min(most, budget // stage_bytes)))
+  return max(1, min(most, budget // stage_bytes))
 
 
 def forward_scan(w, u, k_end, g, initial_state, *, chunk_size, block_v=64,
