@@ -19,10 +19,10 @@ from deltajax.pallas import ops, output, state, ut
 
 VARIANTS = {
     "inverse": [dict(num_warps=w) for w in (1, 2)],
-    "w_u": [dict(num_warps=w) for w in (2, 4)],
     "forward_scan": [dict(block_v=bv, num_warps=w, num_stages=s) for bv, w, s in
-                     ((64, 4, 3), (32, 4, 2))],
+                     ((64, 4, 3), (64, 4, 2), (32, 4, 2))],
     "output": [dict(block_v=bv) for bv in (128, 64)],
+    "w_u": [dict(num_warps=w) for w in (4, 2)],
     "output_backward": [dict(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
     "backward_scan": [dict(block_v=64, num_warps=w, num_stages=1)
@@ -33,35 +33,36 @@ VARIANTS = {
 
 
 def stage_inputs(shape, c=64):
-  """Every kernel's inputs at ``shape``, computed once with the default launch."""
+  """Each kernel as ``(fn(*arrays, **launch), arrays)``, its inputs computed
+  once with the default launches."""
   q, k, v, a, b, do = make_inputs(shape)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   g, beta = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), c,
                        jnp.float32)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   t = ut.inverse(k, g, beta, chunk_size=c)
-  w, u, k_end = ut.w_u(k, v, g, beta, t, chunk_size=c)
-  delta, states, _ = state.forward_scan(w, u, k_end, g, s0, chunk_size=c)
-  _, dk_out, dg_out, dd_local = output.output_backward(q, k, g, states, delta, do,
-                                             chunk_size=c, scale=0.1)
-  d_delta, d_next, _ = state.backward_scan(q, k_end, w, g, do, dd_local, s0,
+  w, u = ut.w_u(k, v, g, beta, t, chunk_size=c)
+  delta, states, _ = state.forward_scan(t, k, v, g, beta, s0, chunk_size=c)
+  _, dk_out, dg_out, dd_local = output.output_backward(
+      q, k, g, states, delta, do, chunk_size=c, scale=0.1)
+  d_delta, d_next, _ = state.backward_scan(q, k, w, g, do, dd_local, s0,
                                            chunk_size=c, scale=0.1)
-  calls = {
-      "inverse": lambda **o: ut.inverse(k, g, beta, chunk_size=c, **o),
-      "w_u": lambda **o: ut.w_u(k, v, g, beta, t, chunk_size=c, **o),
-      "forward_scan": lambda **o: state.forward_scan(w, u, k_end, g, s0,
-                                                     chunk_size=c, **o),
-      "output": lambda **o: output.output(q, k, g, states, delta, chunk_size=c,
-                                          scale=0.1, out_dtype=v.dtype, **o),
-      "output_backward": lambda **o: output.output_backward(
-          q, k, g, states, delta, do, chunk_size=c, scale=0.1, **o),
-      "backward_scan": lambda **o: state.backward_scan(
-          q, k_end, w, g, do, dd_local, s0, chunk_size=c, scale=0.1, **o),
-      "ut_backward": lambda **o: ut.ut_backward(
-          k, v, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,
-          dg_out, chunk_size=c, **o),
+  fixed = functools.partial
+  return {
+      "inverse": (fixed(ut.inverse, chunk_size=c), (k, g, beta)),
+      "forward_scan": (fixed(state.forward_scan, chunk_size=c),
+                       (t, k, v, g, beta, s0)),
+      "output": (fixed(output.output, chunk_size=c, scale=0.1,
+                       out_dtype=v.dtype), (q, k, g, states, delta)),
+      "w_u": (fixed(ut.w_u, chunk_size=c), (k, v, g, beta, t)),
+      "output_backward": (fixed(output.output_backward, chunk_size=c,
+                                scale=0.1), (q, k, g, states, delta, do)),
+      "backward_scan": (fixed(state.backward_scan, chunk_size=c, scale=0.1),
+                        (q, k, w, g, do, dd_local, s0)),
+      "ut_backward": (fixed(ut.ut_backward, chunk_size=c),
+                      (k, v, g, beta, t, w, u, states, d_next, delta, d_delta,
+                       dk_out, dg_out)),
   }
-  return calls
 
 
 def main():
@@ -74,15 +75,18 @@ def main():
   shape = tuple(int(x) for x in args.shape.split(","))
   calls = stage_inputs(shape)
   if args.once:
-    for call in calls.values():
-      jax.block_until_ready(call())
+    for fn, arrays in calls.values():
+      jax.block_until_ready(jax.jit(fn)(*arrays))
     return
   print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():
     for opts in variants:
-      fn = jax.jit(functools.partial(calls[name], **opts))
+      # Jitted with the arrays as arguments: an eager pallas_call is traced
+      # and compiled again at every call.
+      fn, arrays = calls[name]
+      fn = jax.jit(functools.partial(fn, **opts))
       try:
-        ms = median_ms(fn, 20)
+        ms = median_ms(lambda: fn(*arrays), 20)
         print(f"| {name} | {opts} | {ms:.3f} |", flush=True)
       except Exception as e:  # a launch that does not compile (e.g. smem)
         print(f"| {name} | {opts} | failed: {str(e).splitlines()[0][:80]} |",

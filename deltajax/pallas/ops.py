@@ -1,12 +1,13 @@
 """``impl="pallas"``: the chunked algorithm as Pallas kernels, with its custom_vjp.
 
-Forward: :func:`ut.inverse` and :func:`ut.w_u` (parallel over chunks) ->
-:func:`state.forward_scan` (sequential over chunks) -> :func:`output.output`
-(parallel). Backward: :func:`output.output_backward` (parallel) ->
+Forward: :func:`ut.inverse` (parallel over chunks) ->
+:func:`state.forward_scan` (sequential over chunks; applies T, so W and U are
+never formed) -> :func:`output.output` (parallel). Backward:
+:func:`ut.w_u` and :func:`output.output_backward` (parallel) ->
 :func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
-(parallel). The backward keeps the forward's ``T``, ``W``, ``U``,
-``K e^{g_C - g}``, ``Delta`` and chunk-entry states, so nothing is
-recomputed: memory ``O(T (K + V) + (T / C) K V)`` per head.
+(parallel). The backward keeps the forward's ``T``, ``Delta`` and
+chunk-entry states and recomputes ``W``, ``U``: memory
+``O(T (K + V) + (T / C) K V)`` per head.
 """
 
 from __future__ import annotations
@@ -54,29 +55,29 @@ def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, s0 = _padded(q, k, v, initial_state)
   t = ut.inverse(kp, g, beta, chunk_size=chunk_size)
-  w, u, k_end = ut.w_u(kp, vp, g, beta, t, chunk_size=chunk_size)
-  delta, states, final = state.forward_scan(w, u, k_end, g, s0,
+  delta, states, final = state.forward_scan(t, kp, vp, g, beta, s0,
                                             chunk_size=chunk_size)
   o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
                     scale=scale, out_dtype=v.dtype)
   n_k, n_v = q.shape[-1], v.shape[-1]
   return ((o[..., :n_v], final[..., :n_k, :n_v]),
-          (t, w, u, k_end, states, delta))
+          (t, states, delta))
 
 
 def _backward(scale, chunk_size, inputs, saved, cotangents):
   q, k, v, a, b, initial_state = inputs
-  t, w, u, k_end, states, delta = saved
+  t, states, delta = saved
   d_o, d_final = cotangents
   acc = initial_state.dtype
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, _ = _padded(q, k, v, initial_state)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final = _padded(q, k, v, d_final.astype(acc))[3]
+  w, u = ut.w_u(kp, vp, g, beta, t, chunk_size=chunk_size)
   dq, dk_out, dg_out, d_delta = output.output_backward(
       qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
   d_delta, d_next, d_initial = state.backward_scan(
-      qp, k_end, w, g, d_o, d_delta, d_final, chunk_size=chunk_size,
+      qp, kp, w, g, d_o, d_delta, d_final, chunk_size=chunk_size,
       scale=scale)
   dk, dv, db, da = ut.ut_backward(
       kp, vp, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,

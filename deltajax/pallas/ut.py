@@ -8,8 +8,7 @@ blocks below by block forward substitution,
 size; the blocks are then assembled into one ``[C, C]`` value. Substitution,
 unlike a power series of ``A``, stays accurate for aligned keys with ``b``
 near 2 (tests/test_pallas.py). A second kernel forms ``W = T diag(b) (K e^g)``
-and ``U = T diag(b) V``: two kernels, each with its own warp count, measured
-faster than one.
+and ``U = T diag(b) V`` for the backward; the forward scan applies T itself.
 """
 
 from __future__ import annotations
@@ -111,18 +110,15 @@ def _inverse_kernel(k_ref, g_ref, b_ref, t_ref):
                          n).astype(t_ref.dtype)
 
 
-def _w_u_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, k_end_ref):
-  """One chunk: ``[W | U] = T diag(b) [K e^g | V]`` and ``K e^{g_C - g}``."""
+def _w_u_kernel(k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref):
+  """One chunk: ``[W | U] = T diag(b) [K e^g | V]``."""
   acc = core.accumulator(k_ref.dtype)
   g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
-  k = k_ref[...].astype(acc)
   t = t_ref[...]
-  x_k = (beta * jnp.exp(g))[:, None] * k
+  x_k = (beta * jnp.exp(g))[:, None] * k_ref[...].astype(acc)
   x_v = beta[:, None] * v_ref[...].astype(acc)
   w_ref[...] = core.mm(t, x_k.astype(t.dtype)).astype(w_ref.dtype)
   u_ref[...] = core.mm(t, x_v.astype(t.dtype)).astype(u_ref.dtype)
-  k_end_ref[...] = (k * jnp.exp(core.last(g) - g)[:, None]
-                    ).astype(k_end_ref.dtype)
 
 
 def _chunk_specs(chunk_size):
@@ -156,15 +152,17 @@ def inverse(k, g, b, *, chunk_size, num_warps=1, num_stages=1):
 
 
 def w_u(k, v, g, b, t, *, chunk_size, num_warps=4, num_stages=1):
-  """``W``, ``U`` and the keys decayed to the chunk end, chunk by chunk.
+  """``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``, chunk by chunk.
+
+  The forward scan never forms them (:func:`state.forward_scan`); the
+  backward does, from the forward's T.
 
   Args:
     k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, b: ``[B, H, T]``;
     t: ``[B, H, T, C]`` from :func:`inverse`.
 
   Returns:
-    ``(w [B, T, H, K], u [B, T, H, V], k_end [B, T, H, K])`` in k's dtype:
-    ``W = T diag(b) (K e^g)``, ``U = T diag(b) V``, ``K e^{g_C - g}``.
+    ``(w [B, T, H, K], u [B, T, H, V])`` in k's dtype.
   """
   bsz, t_len, h, dk = k.shape
   dv = v.shape[-1]
@@ -172,10 +170,9 @@ def w_u(k, v, g, b, t, *, chunk_size, num_warps=4, num_stages=1):
   return core.call(
       _w_u_kernel, grid=(bsz, h, t_len // chunk_size),
       in_specs=[tok(dk), tok(dv), gate, gate, square],
-      out_specs=[tok(dk), tok(dv), tok(dk)],
+      out_specs=[tok(dk), tok(dv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct(k.shape, k.dtype)],
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
       num_warps=num_warps, num_stages=num_stages,
       name="deltajax_ut_w_u")(k, v, g, b, t)
 
