@@ -29,14 +29,18 @@ def _gates(a, b, chunk_size, dtype):
   return g.reshape(bsz, h, t_len), jnp.transpose(b, (0, 2, 1)).astype(dtype)
 
 
+def _pad_state(state, k_dim, v_dim):
+  """``[B, H, K, V]`` padded with zeros to ``[B, H, k_dim, v_dim]``."""
+  return common.pad_axis(common.pad_axis(state, 2, k_dim), 3, v_dim)
+
+
 def _padded(q, k, v, state):
   """q, k, v in one dtype (the kernels' dots need it), head dims padded."""
   dtype = jnp.result_type(q, k, v)
   kp, vp = core.padded_dim(q.shape[-1]), core.padded_dim(v.shape[-1])
   q, k = (common.pad_axis(x.astype(dtype), 3, kp) for x in (q, k))
   v = common.pad_axis(v.astype(dtype), 3, vp)
-  state = common.pad_axis(common.pad_axis(state, 2, kp), 3, vp)
-  return q, k, v, state
+  return q, k, v, _pad_state(state, kp, vp)
 
 
 def _check(q, a, chunk_size):
@@ -72,7 +76,7 @@ def _backward(scale, chunk_size, inputs, saved, cotangents):
   g, beta = _gates(a, b, chunk_size, acc)
   qp, kp, vp, _ = _padded(q, k, v, initial_state)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
-  d_final = _padded(q, k, v, d_final.astype(acc))[3]
+  d_final = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(kp, vp, g, beta, t, chunk_size=chunk_size)
   dq, dk_out, dg_out, d_delta = output.output_backward(
       qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)

@@ -252,15 +252,13 @@ def ut_backward(k, v, g, b, t, w, u, states, d_next, delta, d_delta, dk_out,
   bsz, t_len, h, dk = k.shape
   dv, c = v.shape[-1], chunk_size
   acc = core.accumulator(k.dtype)
-  keys = core.block(None, c, None, dk)(lambda i, j, n: (i, n, j, 0))
-  vals = core.block(None, c, None, dv)(lambda i, j, n: (i, n, j, 0))
-  gate = core.block(None, None, c)(lambda i, j, n: (i, j, n))
+  tok, gate, square = _chunk_specs(c)
+  keys, vals = tok(dk), tok(dv)
   state = core.block(None, None, None, dk, dv)(lambda i, j, n: (i, j, n, 0, 0))
   return core.call(
       functools.partial(_ut_backward_kernel, block_v=block_v),
       grid=(bsz, h, t_len // c),
-      in_specs=[keys, vals, gate, gate,
-                core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0)),
+      in_specs=[keys, vals, gate, gate, square,
                 keys, vals, state, state, vals, vals, keys, gate],
       out_specs=[keys, vals, gate, gate],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
