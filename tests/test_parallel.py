@@ -56,7 +56,8 @@ def test_sequence_parallel_matches_single_device(results, devices):
 
 @pytest.mark.parametrize("name", [
     "batch2-seq4", "seq4-head2", "seq4-replicated2", "auto-mesh-seq8",
-    "no-initial-state"])
+    "no-initial-state", "segments-scan", "segments-chunked",
+    "grouped-heads"])
 def test_sequence_parallel_meshes_and_defaults(results, name):
   assert_close(results[("sequence", name)])
 
