@@ -34,7 +34,13 @@ def _implementation(impl: str, per_channel: bool) -> Callable:
     impl = "pallas" if use_pallas else "chunked"
   return {"scan": scan.gated_delta_scan,
           "chunked": chunked.gated_delta_chunked,
-          "pallas": pallas.gated_delta_pallas}[impl]
+          "pallas": _pallas}[impl]
+
+
+def _pallas(q, k, v, a, b, initial_state, scale, chunk_size):
+  """The Pallas entry point (which also takes cuts and packed sequences)."""
+  return pallas.gated_delta_pallas(q, k, v, a, b, initial_state, None, None,
+                                   scale=scale, chunk_size=chunk_size)
 
 
 def _check_float(name: str, x) -> None:
