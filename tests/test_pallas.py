@@ -190,9 +190,9 @@ def _reference(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
 
 def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
                      chunk_seq=None, n_seq=None):
-  """float64 inputs of the contract and cotangents. With ``cuts``: random
-  cuts inside chunks, and at the first token of chunk 1 and the second of
-  chunk 0 (for some heads). With ``chunk_seq``: each sequence's last chunk
+  """float64 inputs of the contract and cotangents. With ``cuts``: in the
+  even value heads, random cuts and one at the first token of chunk 1; in the
+  odd ones, one at the second token. With ``chunk_seq``: each sequence's last chunk
   ends with padding tokens (a = b = k = 0)."""
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((bsz, t, h, d))
@@ -207,7 +207,8 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
   s0 = 0.5 * rng.standard_normal((n_seq, hv, d, d))
   cut = None
   if cuts:
-    cut = rng.uniform(size=(bsz, t, hv, 1)) < 0.08
+    cut = rng.uniform(size=(bsz, t, hv, 1)) < 0.1
+    cut[:, :, 1::2] = False  # long uncut spans in the odd heads
     cut[:, chunk_size, ::2] = True
     cut[:, 1, 1::2] = True
   if chunk_seq is not None:
