@@ -223,6 +223,15 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
   return (q, k, v, a, b, s0), cut, chunk_seq, cts
 
 
+def _jit_vjp(fn, args, cts, cut, chunk_seq):
+  """``(fn(*args, cut, chunk_seq), its VJP of cts)``, under one jax.jit
+  (interpret mode's time is compilation: one is faster than one per kernel)."""
+  def run(args, cts, cut, chunk_seq):
+    out, pull = jax.vjp(lambda *x: fn(*x, cut, chunk_seq), *args)
+    return out, pull(cts)
+  return jax.jit(run)(args, cts, cut, chunk_seq)
+
+
 def _check_contract(args, cut, chunk_seq, cts, chunk_size, tol=1e-10):
   scale = args[0].shape[-1] ** -0.5
   with jax.enable_x64(True):
@@ -230,14 +239,14 @@ def _check_contract(args, cut, chunk_seq, cts, chunk_size, tol=1e-10):
     cts = tuple(jnp.asarray(x, jnp.float64) for x in cts)
     cut_j = None if cut is None else jnp.asarray(cut)
     seq_j = None if chunk_seq is None else jnp.asarray(chunk_seq)
-    got, pull = jax.vjp(
-        lambda *x: pallas.gated_delta_pallas(*x, cut_j, seq_j, scale=scale,
-                                             chunk_size=chunk_size), *args)
-    got_grads = pull(cts)
-    ref, pull = jax.vjp(
-        lambda *x: _reference(*x, cut_j, chunk_seq, scale=scale,
-                              chunk_size=chunk_size), *args)
-    ref_grads = pull(cts)
+    got, got_grads = _jit_vjp(
+        lambda *x: pallas.gated_delta_pallas(*x, scale=scale,
+                                             chunk_size=chunk_size),
+        args, cts, cut_j, seq_j)
+    ref, ref_grads = _jit_vjp(  # the layout of chunk_seq is static here
+        lambda *x: _reference(*x[:-1], chunk_seq, scale=scale,
+                              chunk_size=chunk_size),
+        args, cts, cut_j, seq_j)
   for name, x, y in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
                          "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
     assert x.shape == y.shape and x.dtype == y.dtype, (name, x.shape, y.shape)
