@@ -192,8 +192,8 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
                      chunk_seq=None, n_seq=None):
   """float64 inputs of the contract and cotangents. With ``cuts``: in the
   even value heads, random cuts and one at the first token of chunk 1; in the
-  odd ones, one at the second token. With ``chunk_seq``: each sequence's last chunk
-  ends with padding tokens (a = b = k = 0)."""
+  odd ones, one at the second token. With ``chunk_seq``: each sequence's
+  last chunk ends with padding tokens (a = b = k = 0)."""
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((bsz, t, h, d))
   k = rng.standard_normal((bsz, t, h, d))

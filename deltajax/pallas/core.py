@@ -56,7 +56,7 @@ class KernelConfig:
   precision: str = "tf32x3"
 
   def resolve(self) -> KernelConfig:
-    """This config with ``interpret`` decided (raises on a GPU too old for Triton)."""
+    """This config with ``interpret`` decided (raises on a GPU too old)."""
     if self.interpret is not None:
       return self
     return dataclasses.replace(self, interpret=interpret_mode())
@@ -97,7 +97,7 @@ def interpret_mode() -> bool:
 
 def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
          name: str, **static):
-  """``pl.pallas_call`` lowered through Triton (or interpreted), with named refs.
+  """``pl.pallas_call`` through Triton (or interpreted), with named refs.
 
   Args:
     kernel: called as ``kernel(**refs, **static)``, one keyword per input and
@@ -205,7 +205,11 @@ def last(x):
 
 
 def decay(g_i, g_j, mask, c_i=None, c_j=None):
-  """``[C_i, C_j]``: ``exp(g_i - g_j)`` on ``mask`` where ``c_i == c_j``, else 0."""
+  """``[C_i, C_j]``: ``exp(g_i - g_j)`` on ``mask`` where ``c_i == c_j``, else 0.
+
+  ``mask`` may be a Python bool (True: no causal mask, a block below the
+  diagonal).
+  """
   if c_i is not None:
     mask = mask & (c_i[:, None] == c_j[None, :])
   return jnp.exp(jnp.where(mask, g_i[:, None] - g_j[None, :], -jnp.inf))

@@ -120,7 +120,7 @@ def _unvisited(chunk_seq, n_seq):
 
 
 def _group_sum(x, h):
-  """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``, summed over each group."""
+  """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``, summed per group."""
   bsz, t_len, heads, d = x.shape
   if heads == h:
     return x
@@ -130,19 +130,19 @@ def _group_sum(x, h):
 def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
              chunk_seq):
   acc = initial_state.dtype
-  launch = dict(chunk_size=chunk_size, interpret=config.interpret,
+  shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
   qp, kp, vp = _padded(q, k, v)
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
-                 launch=config.inverse, **launch)
+                 launch=config.inverse, **shared)
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
-      initial_state=s0, launch=config.forward_scan, **launch)
+      initial_state=s0, launch=config.forward_scan, **shared)
   o = output.output(q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta,
                     scale=scale, out_dtype=v.dtype, launch=config.output,
-                    **launch)
+                    **shared)
   final = final[..., :q.shape[-1], :v.shape[-1]]
   if chunk_seq is not None:
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
@@ -161,25 +161,25 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   q, k, v, a, b, initial_state, cut, chunk_seq, (t, states, delta) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
-  launch = dict(chunk_size=chunk_size, interpret=config.interpret,
+  shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
   qp, kp, vp = _padded(q, k, v)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
-                **launch)
+                **shared)
   dq, dk_out, dg_out, d_delta = output.output_backward(
       q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
-      scale=scale, launch=config.output_backward, **launch)
+      scale=scale, launch=config.output_backward, **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale,
-      launch=config.backward_scan, **launch)
+      launch=config.backward_scan, **shared)
   dk, dv, db, da = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
-      dg_out=dg_out, launch=config.ut_backward, **launch)
+      dg_out=dg_out, launch=config.ut_backward, **shared)
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
   da = jnp.transpose(da, (0, 2, 1))[..., None]
   if cut is not None:

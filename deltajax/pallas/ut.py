@@ -89,7 +89,10 @@ def _assemble(t, n):
 
 
 def kk_matrix(k, g, cuts, dot):
-  """``(Gamma * K K^T, Gamma)`` on the strict lower triangle, ``[C, C]``; g, cuts ``[C]``."""
+  """``(Gamma * K K^T, Gamma)``, ``[C, C]``, on the strict lower triangle.
+
+  g and cuts (or None) are ``[C]``.
+  """
   e = core.decay(g, g, core.causal(k.shape[0], strict=True), cuts, cuts)
   return dot(k, k, trans_b=True) * e, e
 
