@@ -191,8 +191,9 @@ def _reference(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
 def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
                      chunk_seq=None, n_seq=None):
   """float64 inputs of the contract and cotangents. With ``cuts``: in the
-  even value heads, random cuts and one at the first token of chunk 1; in the
-  odd ones, one at the second token. With ``chunk_seq``: each sequence's
+  even value heads, random cuts and one at the first token of chunk 1 (and of
+  chunk 0 in head 0); in the odd ones, at the second and the last token of
+  chunk 0 only. With ``chunk_seq``: each sequence's
   last chunk ends with padding tokens (a = b = k = 0)."""
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((bsz, t, h, d))
@@ -210,7 +211,8 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
     cut = rng.uniform(size=(bsz, t, hv, 1)) < 0.1
     cut[:, :, 1::2] = False  # long uncut spans in the odd heads
     cut[:, chunk_size, ::2] = True
-    cut[:, 1, 1::2] = True
+    cut[:, 0, 0] = True  # the initial state of head 0 is discarded
+    cut[:, [1, chunk_size - 1], 1::2] = True
   if chunk_seq is not None:
     ends = [m for m in range(len(chunk_seq))
             if m == len(chunk_seq) - 1 or chunk_seq[m + 1] != chunk_seq[m]]
