@@ -195,7 +195,8 @@ def implementations_for(shape, only=None):
   return [i for i in impls if only is None or i in only]
 
 
-def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn"):
+def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
+        peers=("jla", "fla")):
   """Returns rows ``{shape, impl, fwd, fwd_bwd, err, mem}``.
 
   ``err`` is the relative RMS difference of the output from chunked's (from
@@ -204,7 +205,8 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn"):
   ``on_shape(rows)`` is called after each shape, so partial results survive a
   time limit.
   """
-  fla, jla = load_fla(gate), load_jla(gate)
+  fla = load_fla(gate) if "fla" in peers else None
+  jla = load_jla(gate) if "jla" in peers else None
   rows = []
   for shape in shapes:
     inputs = make_inputs(shape, gate=gate)
@@ -287,6 +289,8 @@ def main():
                       help="B,T,H,D entries (default: the issue's list)")
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+  parser.add_argument("--peers", nargs="*", default=("jla", "fla"),
+                      help="other libraries to time when importable")
   parser.add_argument("--impls", nargs="*", default=None,
                       help="deltajax implementations to time (default: all)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -308,7 +312,8 @@ def main():
     plot(rows, os.path.join(args.out, "time_vs_t.png"))
 
   rows = run(shapes, args.reps, args.impls,
-             on_shape=lambda rows: write(rows, table(rows)), gate=args.gate)
+             on_shape=lambda rows: write(rows, table(rows)), gate=args.gate,
+             peers=args.peers)
   decode_us = time_decode_step(gate=args.gate)
   text = (f"gate: {args.gate}\n\n{table(rows)}\n\nDecoding step (B=4, H=16, "
           f"D=128, jitted loop of 100 steps): {decode_us:.1f} us/step")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import deltajax
+from deltajax import registry
 from deltajax import pallas
 from deltajax.pallas import core
 from deltajax.pallas import ops
@@ -139,16 +140,18 @@ def test_pallas_mixed_input_dtypes():
 def test_pallas_rejects_per_channel_gate_and_small_chunks():
   args, _ = _inputs((1, 16, 1, 16, 16), seed=1)
   q, k, v, a, b, _ = (jnp.asarray(x, jnp.float32) for x in args)
-  with pytest.raises(NotImplementedError, match="per-channel"):
+  with pytest.raises(ValueError, match="impl='pallas' cannot run this call: "
+                     "it has no 'channel' gate"):
     deltajax.kda(q, k, v, jnp.broadcast_to(a[..., None], q.shape), b,
                  impl="pallas")
-  with pytest.raises(ValueError, match="chunk_size >= 16"):
+  with pytest.raises(ValueError, match=r"chunk_size must be one of \(16, 32"):
     deltajax.gated_delta(q, k, v, a, b, impl="pallas", chunk_size=8)
 
 
-def test_auto_is_chunked_without_gpu():
-  assert deltajax.api._implementation("auto", per_channel=False) is (
-      deltajax.chunked.gated_delta_chunked)
+def test_auto_is_not_pallas_without_gpu():
+  for gate in registry.GATES:
+    assert registry.select("auto", gate=gate, length=4096, chunk_size=64,
+                           packed=False, grouped=False).name != "pallas"
 
 
 # The implementation contract, called directly: GVA, cuts, packed sequences.
