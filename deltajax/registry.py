@@ -115,9 +115,11 @@ REGISTRY = {
 
 IMPLEMENTATIONS = ("auto", *REGISTRY)
 
-# The CPU forward of "scan" beats "chunked" below these lengths (T, per gate
-# kind); measured by benchmarks/cpu_auto.py (README, "Implementations").
-SCAN_BELOW = {"head": 128, "channel": 512}
+# On the CPU the forward of "scan" beats "chunked" below these lengths (T, per
+# gate kind): benchmarks/cpu_auto.py, B = 2, H = 4, K = V = 64, float32
+# (RESULTS.md, "CPU: scan against chunked"); for the per-channel gate at every
+# length measured (up to 1024, 2 to 10x).
+SCAN_BELOW = {"head": 1024, "channel": float("inf")}
 
 
 def select(impl: str, *, gate: str, length: int, chunk_size: int,
