@@ -79,7 +79,7 @@ def test_initial_decay_rates():
 @pytest.mark.parametrize("cls", LAYERS)
 def test_decoding_token_by_token_equals_one_call(cls):
   """Prefill of 5 tokens, 6 single-token steps, then a block of 8, under nnx.jit."""
-  layer = _layer(cls, chunk_size=4)
+  layer = _layer(cls, chunk_size=16)
   x = _inputs((2, 19, D_MODEL))
   full = layer(x)
 
@@ -113,13 +113,13 @@ def test_final_cache_state_matches_one_call(cls):
 @pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
 def test_scan_and_chunked_layers_agree(cls):
   x = _inputs((2, 12, D_MODEL))
-  y_scan = _layer(cls, impl="scan", chunk_size=4)(x)
-  y_chunked = _layer(cls, impl="chunked", chunk_size=8)(x)
+  y_scan = _layer(cls, impl="scan", chunk_size=16)(x)
+  y_chunked = _layer(cls, impl="chunked", chunk_size=32)(x)
   np.testing.assert_allclose(y_scan, y_chunked, rtol=1e-5, atol=1e-5)
 
 
 def test_output_is_causal():
-  layer = _layer(nn.KimiDeltaAttention, chunk_size=4)
+  layer = _layer(nn.KimiDeltaAttention, chunk_size=16)
   x = _inputs((1, 12, D_MODEL))
   changed = x.at[:, 7:].set(_inputs((1, 5, D_MODEL), seed=2))
   np.testing.assert_allclose(layer(changed)[:, :7], layer(x)[:, :7],
@@ -132,7 +132,7 @@ def _mse_loss(layer, x, target):
 
 @pytest.mark.parametrize("cls", LAYERS)
 def test_gradients_reach_every_parameter_and_are_finite(cls):
-  layer = _layer(cls, chunk_size=8)
+  layer = _layer(cls, chunk_size=16)
   x = _inputs((2, 20, D_MODEL))
   grads = nnx.grad(_mse_loss)(layer, x, _inputs((2, 20, D_MODEL), seed=2))
   for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads)):
@@ -161,8 +161,8 @@ def test_optax_steps_reduce_the_loss_on_a_fixed_batch(cls):
 @pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
 def test_bfloat16_parameters_and_activations(cls):
   layer = _layer(cls, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                 chunk_size=8)
-  reference = _layer(cls, chunk_size=8)
+                 chunk_size=16)
+  reference = _layer(cls, chunk_size=16)
   nnx.update(reference, jax.tree.map(lambda p: p.astype(jnp.float32),
                                      nnx.state(layer, nnx.Param)))
   x = _inputs((2, 12, D_MODEL), dtype=jnp.bfloat16)
