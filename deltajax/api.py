@@ -1,40 +1,37 @@
-"""Public API: input checks, padding and dispatch over the implementations."""
+"""Public API: input checks, the normalisation every implementation relies on, dispatch.
+
+``gated_delta`` validates the user's arguments, applies the fused options
+(q/k L2 norm, the gate from ``A_log``/``dt_bias``, beta from logits), turns
+``segment_ids`` into cuts and ``cu_seqlens`` into a chunk-aligned layout,
+pads T, and calls the implementation that :func:`registry.select` picks, in
+the contract :data:`registry.CONTRACT`.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from deltajax import chunked
 from deltajax import common
-from deltajax import pallas
-from deltajax import scan
+from deltajax import registry
 
-IMPLEMENTATIONS = ("auto", "scan", "chunked", "pallas")
+IMPLEMENTATIONS = registry.IMPLEMENTATIONS
 
-_FORMS = ("the accepted forms are q, k [B, T, H, K], v [B, T, H, V], "
-          "a [B, T, H] or [B, T, H, K], b [B, T, H], initial_state "
-          "[B, H, K, V]; or, for one sequence of one head (as under vmap), "
-          "q, k [T, K], v [T, V], a [T] or [T, K], b [T], initial_state [K, V]")
+# a = -inf (full forget) is clamped here: exp(-200) is 0 in float32 and
+# negligible in float64, and a finite gate keeps the chunk-local cumulative
+# sums (and their differences, GDN seed 4.1) free of inf - inf.
+LOG_DECAY_FLOOR = -200.0
+L2_EPS = 1e-6
 
-
-def _implementation(impl: str, per_channel: bool) -> Callable:
-  """Maps an ``impl`` name to ``f(q, k, v, a, b, s0, scale, chunk_size)``.
-
-  "auto" is the Pallas kernels on NVIDIA GPUs that Triton lowering supports
-  (compute capability >= 8.0) for the scalar gate, else "chunked".
-  """
-  if impl == "auto":
-    cc = pallas.gpu_capability()
-    use_pallas = (not per_channel and cc is not None
-                  and cc >= pallas.MIN_CAPABILITY)
-    impl = "pallas" if use_pallas else "chunked"
-  return {"scan": scan.gated_delta_scan,
-          "chunked": chunked.gated_delta_chunked,
-          "pallas": pallas.gated_delta_pallas}[impl]
+_FORMS = ("the accepted forms are q, k [B, T, H, K], v [B, T, HV, V], "
+          "a [B, T, HV] or [B, T, HV, K], b [B, T, HV], initial_state "
+          "[B, HV, K, V] (HV a multiple of H); or, for one sequence of one "
+          "head (as under vmap), q, k [T, K], v [T, V], a [T] or [T, K], "
+          "b [T], initial_state [K, V]")
 
 
 def _check_float(name: str, x) -> None:
@@ -49,46 +46,87 @@ def _check_shape(name: str, x, expected: tuple, what: str) -> None:
                      f"got {tuple(x.shape)}")
 
 
-def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel: bool):
-  """Validates the rank-4 form; returns whether the gate is per channel."""
+def _check_int(name: str, x, shape: tuple, what: str) -> None:
+  if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+    raise TypeError(f"{name} must be an integer array; got dtype "
+                    f"{jnp.result_type(x)}")
+  _check_shape(name, x, shape, what)
+
+
+def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
+                  n_states):
+  """Validates the rank-4 form; returns the gate kind ("head" or "channel")."""
   for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
     _check_float(name, x)
   if q.ndim != 4:
     raise ValueError(f"q has rank {q.ndim} (shape {tuple(q.shape)}); {_FORMS}")
   bsz, t, h, dk = q.shape
   _check_shape("k", k, q.shape, "q.shape [B, T, H, K]")
-  if v.ndim != 4 or tuple(v.shape[:3]) != (bsz, t, h):
-    raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = "
-                     f"{(bsz, t, h)} from q; got {tuple(v.shape)}")
-  per_channel = tuple(a.shape) == tuple(q.shape)
+  if v.ndim != 4 or tuple(v.shape[:2]) != (bsz, t) or v.shape[2] % h:
+    raise ValueError(f"v must have shape [B, T, HV, V] with B, T = "
+                     f"{(bsz, t)} from q and HV a multiple of H = {h}; got "
+                     f"{tuple(v.shape)}")
+  hv = v.shape[2]
+  per_channel = tuple(a.shape) == (bsz, t, hv, dk)
   if require_per_channel and not per_channel:
     raise ValueError(f"kda needs the per-channel gate: a must have shape "
-                     f"q.shape [B, T, H, K] = {tuple(q.shape)}; got "
+                     f"[B, T, HV, K] = {(bsz, t, hv, dk)}; got "
                      f"{tuple(a.shape)}")
-  if not per_channel and tuple(a.shape) != (bsz, t, h):
-    raise ValueError(f"a must have shape [B, T, H] = {(bsz, t, h)} (scalar "
-                     f"gate) or [B, T, H, K] = {tuple(q.shape)} (per-channel "
-                     f"gate); got {tuple(a.shape)}")
-  _check_shape("b", b, (bsz, t, h), "[B, T, H]")
+  if not per_channel and tuple(a.shape) != (bsz, t, hv):
+    raise ValueError(f"a must have shape [B, T, HV] = {(bsz, t, hv)} (scalar "
+                     f"gate) or [B, T, HV, K] = {(bsz, t, hv, dk)} "
+                     f"(per-channel gate); got {tuple(a.shape)}")
+  _check_shape("b", b, (bsz, t, hv), "[B, T, HV]")
   if initial_state is not None:
     _check_float("initial_state", initial_state)
-    _check_shape("initial_state", initial_state, (bsz, h, dk, v.shape[-1]),
-                 "[B, H, K, V]")
+    _check_shape("initial_state", initial_state, (n_states, hv, dk, v.shape[-1]),
+                 "[N, HV, K, V] (N = B, or the number of sequences of "
+                 "cu_seqlens)")
   if t == 0 or dk == 0 or v.shape[-1] == 0:
     raise ValueError(f"T, K and V must be positive; got q {tuple(q.shape)}, "
                      f"v {tuple(v.shape)}")
-  return per_channel
+  return "channel" if per_channel else "head"
 
 
-def _check_options(scale, impl: str, chunk_size: int) -> None:
+def _check_gate_parameters(a, A_log, dt_bias, gate: str) -> None:
+  hv, dk = a.shape[2], a.shape[-1]
+  if A_log is not None:
+    _check_float("A_log", A_log)
+    _check_shape("A_log", A_log, (hv,), "[HV]")
+  if dt_bias is not None:
+    _check_float("dt_bias", dt_bias)
+    shape = (hv,) if gate == "head" else (hv, dk)
+    _check_shape("dt_bias", dt_bias, shape,
+                 "[HV]" if gate == "head" else "[HV, K]")
+
+
+def _static_int(name: str, x) -> int:
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+    raise TypeError(f"{name} must be an int; got {type(x).__name__} {x!r}")
+  return int(x)
+
+
+def _check_scale(scale, head_dim: int) -> float:
+  """``scale`` as a Python float; ``K ** -0.5`` for None."""
+  if scale is None:
+    return float(head_dim ** -0.5)
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale,
+                                                           numbers.Real):
+    raise TypeError(f"scale must be a Python or numpy real number or None; "
+                    f"got {type(scale).__name__} {scale!r}")
+  return float(scale)
+
+
+def _check_options(impl: str, chunk_size) -> int:
+  """Returns ``chunk_size`` as a Python int."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"impl must be one of {IMPLEMENTATIONS}; got {impl!r}")
-  if (not isinstance(chunk_size, int) or chunk_size < 1
-      or chunk_size & (chunk_size - 1)):
-    raise ValueError(f"chunk_size must be a power of two; got {chunk_size!r}")
-  if scale is not None and not isinstance(scale, (int, float)):
-    raise TypeError(f"scale must be a Python number or None; got "
-                    f"{type(scale).__name__}")
+  chunk_size = _static_int("chunk_size", chunk_size)
+  if chunk_size not in registry.CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be a power of two up to "
+                     f"{registry.CHUNK_SIZES[-1]} (16, 32 or 64 for every "
+                     f"implementation); got {chunk_size}")
+  return chunk_size
 
 
 def _to_rank4(q, k, v, a, b, initial_state):
@@ -110,32 +148,101 @@ def _to_rank4(q, k, v, a, b, initial_state):
   return q, k, v, a, b, initial_state
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl", "chunk_size"))
-def _run(q, k, v, a, b, initial_state, *, scale, impl, chunk_size):
-  """Pads T to a multiple of ``chunk_size`` and calls the implementation.
+def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
+  """``x / sqrt(sum(x^2) + eps)`` over the last axis, computed in float32."""
+  x32 = x.astype(common.compute_dtype(x))
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)
+          ).astype(x.dtype)
 
-  Padded tokens have ``a = 0`` and ``b = 0``: they leave the state unchanged.
+
+def _fused_inputs(q, k, a, b, *, use_qk_l2norm, A_log, dt_bias, beta_sigmoid,
+                  allow_neg_eigval, dtype):
+  """Applies the fused options (fla's names) in the compute dtype.
+
+  Returns ``(q, k, a, b)``: ``a = -exp(A_log) softplus(a + dt_bias)`` when
+  ``A_log`` is given, ``b = sigmoid(b)`` for ``beta_sigmoid``, doubled for
+  ``allow_neg_eigval``.
   """
+  if use_qk_l2norm:
+    q, k = l2_normalize(q), l2_normalize(k)
+  a = a.astype(dtype)
+  if A_log is not None:
+    if dt_bias is not None:
+      a = a + dt_bias.astype(dtype)
+    rate = jnp.exp(A_log.astype(dtype))
+    a = -(rate if a.ndim == 3 else rate[:, None]) * jax.nn.softplus(a)
+  b = b.astype(dtype)
+  if beta_sigmoid:
+    b = jax.nn.sigmoid(b)
+  if allow_neg_eigval:
+    b = 2.0 * b
+  return q, k, a, b
+
+
+def _segment_cuts(segment_ids: jax.Array, like: jax.Array) -> jax.Array:
+  """Bool of ``like``'s shape ``[B, T, HV, W]``: tokens where the segment id changes."""
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  cut = jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+  return jnp.broadcast_to(cut[:, :, None, None], like.shape)
+
+
+def _to_layout(x: jax.Array, layout: common.Layout, n_chunks: int,
+               chunk_size: int) -> jax.Array:
+  """``[1, T_total, ...]`` -> ``[1, N_chunks C, ...]``, zeros between sequences."""
+  out = jnp.zeros((1, n_chunks * chunk_size, *x.shape[2:]), x.dtype)
+  return out.at[:, layout.slot].set(x)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "chunk_size",
+                                             "use_qk_l2norm", "beta_sigmoid",
+                                             "allow_neg_eigval"))
+def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
+         *, scale, impl, chunk_size, use_qk_l2norm, beta_sigmoid,
+         allow_neg_eigval):
+  """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``."""
   dtype = common.compute_dtype(q, k, v)
+  q, k, a, b = _fused_inputs(
+      q, k, a, b, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+      beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+      dtype=dtype)
+  a = jnp.maximum(a, LOG_DECAY_FLOOR)
+  if a.ndim == 3:
+    a = a[..., None]
+  bsz, t, _, dk = q.shape
+  hv, dv = v.shape[2:]
+  n_states = bsz if cu_seqlens is None else cu_seqlens.shape[0] - 1
   if initial_state is None:
     # zeros_like keeps the inputs' sharding (and, inside shard_map, the
     # device-varying type that lax.scan's carry must match).
-    initial_state = jnp.zeros_like(
-        q, dtype, shape=(q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
-  t = q.shape[1]
-  padded = common.round_up(t, chunk_size)
-  q, k, v, a, b = (common.pad_axis(x, 1, padded) for x in (q, k, v, a, b))
-  per_channel = a.ndim == 4
-  if not per_channel:
-    a = a[..., None]
-  o, final_state = _implementation(impl, per_channel)(q, k, v, a, b,
-                                         initial_state.astype(dtype), scale,
-                                         chunk_size)
-  return o[:, :t], final_state
+    initial_state = jnp.zeros_like(v, dtype, shape=(n_states, hv, dk, dv))
+  initial_state = initial_state.astype(dtype)
+  cut = None if segment_ids is None else _segment_cuts(segment_ids, a)
+  fn = registry.select(
+      impl, gate="head" if a.shape[-1] == 1 else "channel", length=t,
+      chunk_size=chunk_size, packed=segment_ids is not None
+      or cu_seqlens is not None, grouped=hv != q.shape[2]).fn
+  call = functools.partial(fn, scale=scale, chunk_size=chunk_size)
+  if cu_seqlens is None:
+    padded = common.round_up(t, chunk_size)
+    q, k, v, a, b, cut = (None if x is None else common.pad_axis(x, 1, padded)
+                          for x in (q, k, v, a, b, cut))
+    o, final_state = call(q, k, v, a, b, initial_state, cut, None)
+    return o[:, :t], final_state
+  layout = common.chunk_layout(cu_seqlens, t, chunk_size)
+  n_chunks = layout.chunk_seq.shape[0]
+  q, k, v, a, b = (_to_layout(x, layout, n_chunks, chunk_size)
+                   for x in (q, k, v, a, b))
+  o, final_state = call(q, k, v, a, b, initial_state, None, layout.chunk_seq)
+  final_state = jnp.where(layout.empty[:, None, None, None], initial_state,
+                          final_state)
+  return o[:, layout.slot], final_state
 
 
 def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
-                return_final_state=False, impl="auto", chunk_size=64):
+                return_final_state=False, segment_ids=None, cu_seqlens=None,
+                use_qk_l2norm=False, A_log=None, dt_bias=None,
+                beta_sigmoid=False, allow_neg_eigval=False, impl="auto",
+                chunk_size=64):
   """Gated delta rule linear attention (Gated DeltaNet; KDA with a per-channel gate).
 
   For each token, with the state ``S`` of shape ``[K, V]``::
@@ -146,49 +253,95 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
 
   Args:
     q, k: ``[B, T, H, K]``.
-    v: ``[B, T, H, V]``.
-    a: log decay ``log(alpha) <= 0``: ``[B, T, H]`` (Gated DeltaNet) or
-      ``[B, T, H, K]`` (KDA). ``a = 0`` is DeltaNet.
-    b: write strength beta, ``[B, T, H]``, in ``(0, 2)``; not clamped.
+    v: ``[B, T, HV, V]``; ``HV = G H`` grouped value heads (value head ``j``
+      reads query/key head ``j // G``); usually ``HV = H``.
+    a: log decay ``log(alpha) <= 0``: ``[B, T, HV]`` (Gated DeltaNet) or
+      ``[B, T, HV, K]`` (KDA). ``a = 0`` is DeltaNet, ``a = -inf`` forgets
+      the state fully. With ``A_log``, the raw gate input instead.
+    b: write strength beta, ``[B, T, HV]``, in ``(0, 2)``; not clamped. With
+      ``beta_sigmoid``, logits.
     scale: multiplies q; defaults to ``K ** -0.5``.
-    initial_state: ``[B, H, K, V]`` or None (zeros).
-    return_final_state: also return the final state ``[B, H, K, V]``.
-    impl: "scan", "chunked", "pallas" or "auto" (the fastest for the platform).
-    chunk_size: tokens per chunk, a power of two.
+    initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``)
+      or None (zeros).
+    return_final_state: also return the final state, of initial_state's shape.
+    segment_ids: integer ``[B, T]`` (packed documents, as in JAX attention):
+      the state restarts from zero wherever the id changes along a row; the
+      first segment of a row starts from ``initial_state``.
+    cu_seqlens: integer ``[N + 1]`` (fla's packed sequences, ``B = 1``):
+      sequence ``n`` is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``, with
+      ``cu_seqlens[0] = 0`` and ``cu_seqlens[N] = T``; may be traced.
+    use_qk_l2norm: L2-normalise q and k (eps 1e-6), gradients through it.
+    A_log: ``[HV]``; then ``a = -exp(A_log) softplus(a + dt_bias)``.
+    dt_bias: ``[HV]`` (``[HV, K]`` for KDA), used with ``A_log``.
+    beta_sigmoid: ``b`` are logits, beta ``= sigmoid(b)``.
+    allow_neg_eigval: beta is doubled (``2 sigmoid(b)`` with ``beta_sigmoid``).
+    impl: "scan", "chunked", "pallas" or "auto" (:func:`registry.select`).
+    chunk_size: tokens per chunk, 16, 32 or 64.
 
   The rank-2 form ``q, k [T, K]``, ``v [T, V]``, ``a [T]`` or ``[T, K]``,
   ``b [T]``, ``initial_state [K, V]`` (one sequence of one head) is accepted
   too, which is what the function sees under ``jax.vmap``.
 
   Returns:
-    ``o`` ``[B, T, H, V]`` in v's dtype, or ``(o, final_state)`` with the
+    ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)`` with the
     state in float32 (float64 for float64 inputs).
   """
-  return _gated_delta(q, k, v, a, b, scale=scale, initial_state=initial_state,
-                      return_final_state=return_final_state, impl=impl,
-                      chunk_size=chunk_size, require_per_channel=False)
+  return _gated_delta(**locals(), require_per_channel=False)
 
 
 def kda(q, k, v, a, b, *, scale=None, initial_state=None,
-        return_final_state=False, impl="auto", chunk_size=64):
-  """Kimi Delta Attention: :func:`gated_delta` with a per-channel gate ``a`` of q's shape."""
-  return _gated_delta(q, k, v, a, b, scale=scale, initial_state=initial_state,
-                      return_final_state=return_final_state, impl=impl,
-                      chunk_size=chunk_size, require_per_channel=True)
+        return_final_state=False, segment_ids=None, cu_seqlens=None,
+        use_qk_l2norm=False, A_log=None, dt_bias=None, beta_sigmoid=False,
+        allow_neg_eigval=False, impl="auto", chunk_size=64):
+  """Kimi Delta Attention: :func:`gated_delta` with a per-channel gate ``a`` ``[B, T, HV, K]``."""
+  return _gated_delta(**locals(), require_per_channel=True)
 
 
 def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
-                 impl, chunk_size, require_per_channel):
+                 segment_ids, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
+                 beta_sigmoid, allow_neg_eigval, impl, chunk_size,
+                 require_per_channel):
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
-  _check_options(scale, impl, chunk_size)
+  chunk_size = _check_options(impl, chunk_size)
   single_head = q.ndim == 2
   if single_head:
+    if segment_ids is not None or cu_seqlens is not None:
+      raise ValueError("segment_ids and cu_seqlens need the rank-4 form "
+                       "q [B, T, H, K]")
     q, k, v, a, b, initial_state = _to_rank4(q, k, v, a, b, initial_state)
-  _check_inputs(q, k, v, a, b, initial_state,
-                require_per_channel=require_per_channel)
-  scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-  o, final_state = _run(q, k, v, a, b, initial_state, scale=scale, impl=impl,
-                        chunk_size=chunk_size)
+  if segment_ids is not None and cu_seqlens is not None:
+    raise ValueError("pass segment_ids or cu_seqlens, not both")
+  n_states = q.shape[0] if q.ndim == 4 else 1
+  if cu_seqlens is not None:
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+      raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1; got "
+                       f"{tuple(cu_seqlens.shape)}")
+    _check_int("cu_seqlens", cu_seqlens, cu_seqlens.shape, "[N + 1]")
+    if q.shape[0] != 1:
+      raise ValueError(f"with cu_seqlens, q must have batch size 1 (packed "
+                       f"[1, T_total, H, K]); got {tuple(q.shape)}")
+    n_states = cu_seqlens.shape[0] - 1
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+    _check_int("segment_ids", segment_ids, q.shape[:2], "[B, T]")
+  if initial_state is not None:
+    initial_state = jnp.asarray(initial_state)
+  gate = _check_inputs(q, k, v, a, b, initial_state,
+                       require_per_channel=require_per_channel,
+                       n_states=n_states)
+  A_log, dt_bias = (None if x is None else jnp.asarray(x)
+                    for x in (A_log, dt_bias))
+  _check_gate_parameters(a, A_log, dt_bias, gate)
+  if dt_bias is not None and A_log is None:
+    raise ValueError("dt_bias needs A_log (a = -exp(A_log) softplus(a + "
+                     "dt_bias))")
+  scale = _check_scale(scale, q.shape[-1])
+  o, final_state = _run(
+      q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
+      scale=scale, impl=impl, chunk_size=chunk_size,
+      use_qk_l2norm=bool(use_qk_l2norm), beta_sigmoid=bool(beta_sigmoid),
+      allow_neg_eigval=bool(allow_neg_eigval))
   if single_head:
     o, final_state = o[0, :, 0], final_state[0, 0]
   return (o, final_state) if return_final_state else o
@@ -198,14 +351,15 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None):
   """One decoding step of the gated delta rule.
 
   Args:
-    state: ``[B, H, K, V]``.
-    q, k: ``[B, H, K]``; v: ``[B, H, V]``.
-    a: ``[B, H]`` (scalar gate) or ``[B, H, K]`` (per-channel gate).
-    b: ``[B, H]``.
+    state: ``[B, HV, K, V]``.
+    q, k: ``[B, H, K]``; v: ``[B, HV, V]`` (``HV = G H``, value head ``j``
+      reads query/key head ``j // G``).
+    a: ``[B, HV]`` (scalar gate) or ``[B, HV, K]`` (per-channel gate).
+    b: ``[B, HV]``.
     scale: defaults to ``K ** -0.5``.
 
   Returns:
-    ``(o, new_state)``: ``[B, H, V]`` in v's dtype and ``[B, H, K, V]``.
+    ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]``.
   """
   state, q, k, v, a, b = (jnp.asarray(x) for x in (state, q, k, v, a, b))
   for name, x in (("state", state), ("q", q), ("k", k), ("v", v), ("a", a),
@@ -215,23 +369,27 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None):
     raise ValueError(f"q must have shape [B, H, K]; got {tuple(q.shape)}")
   bsz, h, dk = q.shape
   _check_shape("k", k, q.shape, "q.shape [B, H, K]")
-  if v.ndim != 3 or tuple(v.shape[:2]) != (bsz, h):
-    raise ValueError(f"v must have shape [B, H, V] with B, H = {(bsz, h)}; got "
-                     f"{tuple(v.shape)}")
-  if tuple(a.shape) not in ((bsz, h), (bsz, h, dk)):
-    raise ValueError(f"a must have shape [B, H] = {(bsz, h)} or [B, H, K] = "
-                     f"{(bsz, h, dk)}; got {tuple(a.shape)}")
-  _check_shape("b", b, (bsz, h), "[B, H]")
-  _check_shape("state", state, (bsz, h, dk, v.shape[-1]), "[B, H, K, V]")
-  scale = float(dk ** -0.5 if scale is None else scale)
+  if v.ndim != 3 or v.shape[0] != bsz or v.shape[1] % h:
+    raise ValueError(f"v must have shape [B, HV, V] with B = {bsz} and HV a "
+                     f"multiple of H = {h}; got {tuple(v.shape)}")
+  hv = v.shape[1]
+  if tuple(a.shape) not in ((bsz, hv), (bsz, hv, dk)):
+    raise ValueError(f"a must have shape [B, HV] = {(bsz, hv)} or [B, HV, K] "
+                     f"= {(bsz, hv, dk)}; got {tuple(a.shape)}")
+  _check_shape("b", b, (bsz, hv), "[B, HV]")
+  _check_shape("state", state, (bsz, hv, dk, v.shape[-1]), "[B, HV, K, V]")
+  scale = _check_scale(scale, dk)
   return _step(state, q, k, v, a, b, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _step(state, q, k, v, a, b, *, scale):
   dtype = common.compute_dtype(q, k, v)
+  groups = v.shape[1] // q.shape[1]
+  q, k = (x if groups == 1 else jnp.repeat(x, groups, axis=1) for x in (q, k))
+  a = jnp.maximum(a.astype(dtype), LOG_DECAY_FLOOR)
   a = a[..., None] if a.ndim == 2 else a
   new_state, o = common.token_step(
       state.astype(dtype), q.astype(dtype) * scale, k.astype(dtype),
-      v.astype(dtype), a.astype(dtype), b.astype(dtype))
+      v.astype(dtype), a, b.astype(dtype))
   return o.astype(v.dtype), new_state

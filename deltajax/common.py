@@ -1,19 +1,35 @@
-"""Math shared by every implementation: dtypes, padding, chunking, log-space gates.
+"""Math shared by every implementation: dtypes, padding, chunking, gates, packing.
 
-Conventions used throughout deltajax:
+Conventions used throughout deltajax (what ``api`` passes to every
+implementation; see :data:`deltajax.registry.CONTRACT`):
 
-* Arrays use fla's layout: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``.
-* The gate ``a`` (log decay, ``<= 0``) is carried as ``[B, T, H, G]`` with
-  ``G = 1`` for Gated DeltaNet's scalar gate and ``G = K`` for KDA's
-  per-channel gate, so that the same broadcasting code serves both.
-* The state is the transposed ``S^T`` of the seeds, ``[B, H, K, V]``.
-* ``q`` arrives unscaled; implementations multiply by ``scale`` in float32.
+* Arrays use fla's layout: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` with
+  ``HV = G H`` value heads (grouped value heads; value head ``j`` reads
+  query/key head ``j // G``).
+* The gate ``a`` (log decay, ``<= 0``, finite) is carried as
+  ``[B, T, HV, W]`` with ``W = 1`` for Gated DeltaNet's scalar gate and
+  ``W = K`` for KDA's per-channel gate, so that the same broadcasting code
+  serves both.
+* ``cut`` (bool, a's shape, or None) marks tokens before which the state is
+  discarded: the start of a packed document (``segment_ids``) and a full
+  forget (``a = -inf``, which ``api`` turns into ``a = 0`` with a cut).
+* ``chunk_seq`` (int32 ``[T / C]``, or None) gives, for inputs packed with
+  ``cu_seqlens`` (B = 1), the sequence that owns each chunk; ``api`` lays
+  the tokens out so that every sequence starts at a chunk boundary.
+* The state is the transposed ``S^T`` of the seeds: ``[N, HV, K, V]``, with
+  ``N = B``, or the number of sequences when ``chunk_seq`` is given.
+* ``q`` arrives unscaled; implementations multiply by ``scale``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+SUB = 16  # block size of the blocked triangular inverse
 
 
 def compute_dtype(*arrays) -> jnp.dtype:
@@ -33,6 +49,15 @@ def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
+
+
+def repeat_heads(x: jax.Array, groups: int) -> jax.Array:
+  """``[B, T, H, ...]`` -> ``[B, T, H G, ...]``: head ``j`` of the result is head ``j // G``.
+
+  For the jnp implementations only (the kernels read the groups through
+  their index maps); autodiff through it sums the group's cotangents.
+  """
+  return x if groups == 1 else jnp.repeat(x, groups, axis=2)
 
 
 def to_chunks(x: jax.Array, chunk_size: int) -> jax.Array:
@@ -55,26 +80,60 @@ def causal_mask(c: int, *, strict: bool) -> jax.Array:
   return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
 
 
-def decay_ratio(g_x: jax.Array, g_y: jax.Array, mask: jax.Array) -> jax.Array:
-  """``exp(g_x[i] - g_y[j])`` where ``mask[i, j]``, else 0.
+def _masked_exp(x: jax.Array, mask) -> jax.Array:
+  """``exp(x)`` where ``mask``, else 0; masked *before* ``exp`` (GDN seed,
+  section 4.1): where the mask is off, ``x`` can be large and positive."""
+  return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
-  ``g_*`` are ``[..., C, G]`` chunk-local cumulative log gates. The difference
-  is masked *before* ``exp`` (GDN seed, section 4.1): above the diagonal it
-  is positive and can overflow. Returns ``[..., C, C]`` for ``G = 1`` and
-  ``[..., C, C, K]`` for ``G = K``.
+
+class ChunkGate(NamedTuple):
+  """A chunk's log gate in cumulative form, with its cuts.
+
+  ``g`` ``[..., C, W]`` is the chunk-local cumulative sum of ``a``; ``n``
+  (same shape, or None) the chunk-local cumulative count of cuts. The decay
+  from token ``j`` to token ``i >= j`` is ``exp(g_i - g_j)`` when no cut lies
+  in ``(j, i]`` (``n_i == n_j``) and 0 otherwise. Every decay factor of the
+  chunked algorithm comes from here, masked before ``exp``.
   """
-  diff = g_x[..., :, None, :] - g_y[..., None, :, :]
-  diff = jnp.where(mask[:, :, None], diff, -jnp.inf)
-  e = jnp.exp(diff)
-  return e[..., 0] if e.shape[-1] == 1 else e
+  g: jax.Array
+  n: jax.Array | None
+
+  @classmethod
+  def of(cls, a, cut, axis: int) -> "ChunkGate":
+    """Cumulative sums of ``a`` and ``cut`` along the chunk's token ``axis``."""
+    n = None if cut is None else jnp.cumsum(cut.astype(jnp.int32), axis=axis)
+    return cls(jnp.cumsum(a, axis=axis), n)
+
+  def _end(self, x):
+    return x[..., -1:, :]
+
+  def from_start(self) -> jax.Array:
+    """``[..., C, W]``: decay of the chunk's entry state up to each token."""
+    return _masked_exp(self.g, True if self.n is None else self.n == 0)
+
+  def to_end(self) -> jax.Array:
+    """``[..., C, W]``: decay from each token to the chunk's end."""
+    mask = True if self.n is None else self.n == self._end(self.n)
+    return _masked_exp(self._end(self.g) - self.g, mask)
+
+  def total(self) -> jax.Array:
+    """``[..., W]``: the entry state's decay over the whole chunk."""
+    return self.from_start()[..., -1, :]
+
+  def between(self, strict: bool) -> jax.Array:
+    """``[..., C, C, W]``: decay from token ``j`` to ``i`` on the causal triangle."""
+    mask = causal_mask(self.g.shape[-2], strict=strict)[:, :, None]
+    if self.n is not None:
+      mask = mask & (self.n[..., :, None, :] == self.n[..., None, :, :])
+    return _masked_exp(self.g[..., :, None, :] - self.g[..., None, :, :], mask)
 
 
-def decayed_scores(x, y, g_x, g_y, *, strict: bool) -> jax.Array:
-  """``A[i, j] = sum_k x[i, k] y[j, k] exp(g_x[i, k] - g_y[j, k])`` on the causal triangle.
+def decayed_scores(x, y, gate: ChunkGate, *, strict: bool) -> jax.Array:
+  """``A[i, j] = sum_k x[i, k] y[j, k] decay_k(j -> i)`` on the causal triangle.
 
   Args:
     x, y: ``[..., C, K]``.
-    g_x, g_y: ``[..., C, G]`` cumulative log gates, ``G`` in ``{1, K}``.
+    gate: the chunk's :class:`ChunkGate`, ``W`` in ``{1, K}``.
     strict: keep ``j < i`` (the UT system) instead of ``j <= i`` (the output).
 
   Returns:
@@ -82,22 +141,22 @@ def decayed_scores(x, y, g_x, g_y, *, strict: bool) -> jax.Array:
     per-channel gate every exponent is taken per element and is ``<= 0``, so
     strong KDA gates neither overflow nor need a reference point.
   """
-  e = decay_ratio(g_x, g_y, causal_mask(x.shape[-2], strict=strict))
-  if g_x.shape[-1] == 1:
-    return jnp.einsum("...ik,...jk->...ij", x, y) * e
+  e = gate.between(strict)
+  if e.shape[-1] == 1:
+    return jnp.einsum("...ik,...jk->...ij", x, y) * e[..., 0]
   return jnp.einsum("...ik,...jk,...ijk->...ij", x, y, e)
 
 
-def decayed_scores_vjp(d_scores, x, y, g_x, g_y, *, strict: bool):
+def decayed_scores_vjp(d_scores, x, y, gate: ChunkGate, *, strict: bool):
   """Cotangents of :func:`decayed_scores`.
 
   Returns ``(dx, dy, dg_x, dg_y)``, all ``[..., C, K]``; the gate cotangents
   are per channel (``x * dx`` and ``-y * dy``) and are summed over ``K`` by
   :func:`reduce_gate` when the gate is scalar.
   """
-  e = decay_ratio(g_x, g_y, causal_mask(x.shape[-2], strict=strict))
-  if g_x.shape[-1] == 1:
-    d = d_scores * e
+  e = gate.between(strict)
+  if e.shape[-1] == 1:
+    d = d_scores * e[..., 0]
     dx = jnp.einsum("...ij,...jk->...ik", d, y)
     dy = jnp.einsum("...ij,...ik->...jk", d, x)
   else:
@@ -107,27 +166,68 @@ def decayed_scores_vjp(d_scores, x, y, g_x, g_y, *, strict: bool):
 
 
 def reduce_gate(dg: jax.Array, gate_width: int) -> jax.Array:
-  """Sums a per-channel gate cotangent ``[..., K]`` to ``[..., G]``."""
+  """Sums a per-channel gate cotangent ``[..., K]`` to ``[..., W]``."""
   if gate_width == 1:
     return jnp.sum(dg, axis=-1, keepdims=True)
   return dg
 
 
-def token_step(state, q, k, v, a, b):
+def _mm(x, y):
+  return jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
+
+
+def invert_unit_lower(a: jax.Array) -> jax.Array:
+  """``(I + A)^-1`` for strictly lower triangular ``A`` ``[..., C, C]``.
+
+  Blocked forward substitution in matmuls, as the Pallas UT kernel does
+  (pallas/ut.py): the ``SUB x SUB`` diagonal blocks row by row, then each
+  block row ``i`` from the rows above it,
+  ``T[i, :i] = -T_ii A[i, :i] T[:i, :i]``. Exact for a unit triangle (no
+  pivoting, never singular) and, unlike a power series in ``A``, accurate for
+  aligned keys with ``b`` near 2. It replaces ``lax.linalg.triangular_solve``,
+  whose batched CPU kernel in jaxlib 0.10 deadlocks when two solves run at
+  once (both Eigen pool threads wait in ``lapack_strsm_ffi``).
+  """
+  c = a.shape[-1]
+  sub = min(c, SUB)
+  n = c // sub
+  blocks = a.reshape(*a.shape[:-2], n, sub, n, sub)
+  diag = jnp.stack([blocks[..., i, :, i, :] for i in range(n)], axis=-3)
+  eye = jnp.eye(sub, dtype=a.dtype)
+  t_diag = jnp.broadcast_to(eye, diag.shape)
+  for r in range(1, sub):
+    # Row r of (I + A_ii)^-1 is e_r - A_ii[r, :r] T[:r]; rows < r are final.
+    row = eye[r] - jnp.einsum("...j,...jk->...k", diag[..., r, :], t_diag,
+                              precision=lax.Precision.HIGHEST)
+    t_diag = t_diag.at[..., r, :].set(row)
+  t = t_diag[..., 0, :, :]
+  for i in range(1, n):
+    rows = a[..., i * sub:(i + 1) * sub, :i * sub]
+    t_ii = t_diag[..., i, :, :]
+    below = -_mm(t_ii, _mm(rows, t))
+    t = jnp.concatenate([
+        jnp.concatenate([t, jnp.zeros((*t.shape[:-1], sub), a.dtype)], -1),
+        jnp.concatenate([below, t_ii], -1)], -2)
+  return t
+
+
+def token_step(state, q, k, v, a, b, cut=None):
   """One token of the gated delta rule (the KDA seed's five lines).
 
   Args:
     state: ``[..., K, V]`` (the seeds' ``S^T``).
     q, k: ``[..., K]``, ``q`` already scaled.
     v: ``[..., V]``.
-    a: ``[..., G]`` log decay, ``G`` in ``{1, K}``.
+    a: ``[..., W]`` log decay, ``W`` in ``{1, K}``.
     b: ``[...]`` write strength beta.
+    cut: ``[..., W]`` bool or None: discard the state before this token.
 
   Returns:
     ``(new_state, o)`` with ``o`` ``[..., V]``. Decay, then predict, then
     correct: the prediction reads the already decayed state.
   """
-  state = state * jnp.exp(a)[..., :, None]
+  decay = jnp.exp(a) if cut is None else jnp.where(cut, 0.0, jnp.exp(a))
+  state = state * decay[..., :, None]
   prediction = jnp.einsum("...kv,...k->...v", state, k)
   residual = b[..., None] * (v - prediction)
   state = state + k[..., :, None] * residual[..., None, :]
@@ -135,44 +235,119 @@ def token_step(state, q, k, v, a, b):
   return state, o
 
 
-IMPLEMENTATION_DOC = """{summary}
+# --- Packed sequences (cu_seqlens) ------------------------------------------
+
+
+class Layout(NamedTuple):
+  """Where the tokens of packed sequences go so that each starts a chunk.
+
+  Attributes:
+    slot: ``[T_total]`` int32, each token's position in the laid-out stream.
+    chunk_seq: ``[N_chunks]`` int32, the sequence that owns each chunk.
+    empty: ``[N]`` bool, sequences of length 0 (their final state is their
+      initial state).
+  """
+  slot: jax.Array
+  chunk_seq: jax.Array
+  empty: jax.Array
+
+
+def layout_chunks(total: int, n_seq: int, chunk_size: int) -> int:
+  """Chunks of the packed layout: each sequence pads at most ``C - 1`` tokens."""
+  return max(1, (total + n_seq * (chunk_size - 1)) // chunk_size)
+
+
+def chunk_layout(cu_seqlens: jax.Array, total: int, chunk_size: int) -> Layout:
+  """The chunk-aligned layout of sequences ``[cu[n], cu[n+1])`` of ``total`` tokens.
+
+  ``cu_seqlens`` may be traced: the layout's size,
+  :func:`layout_chunks` chunks, depends only on ``total``, N and C. Chunks
+  past the last sequence's belong to it and hold padding only.
+  """
+  cu = cu_seqlens.astype(jnp.int32)
+  n_chunks = layout_chunks(total, cu.shape[0] - 1, chunk_size)
+  lengths = cu[1:] - cu[:-1]
+  chunks = (lengths + chunk_size - 1) // chunk_size
+  first_chunk = jnp.cumsum(chunks) - chunks
+  token = jnp.arange(total, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu, token, side="right") - 1
+  slot = first_chunk[seq] * chunk_size + token - cu[seq]
+  chunk_seq = jnp.searchsorted(first_chunk, jnp.arange(n_chunks),
+                               side="right") - 1
+  return Layout(slot, chunk_seq.astype(jnp.int32), lengths == 0)
+
+
+def sequence_bounds(chunk_seq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(starts, ends)``, ``[N_chunks]`` bool: the chunks where a sequence starts, ends."""
+  change = chunk_seq[1:] != chunk_seq[:-1]
+  one = jnp.ones((1,), bool)
+  return jnp.concatenate([one, change]), jnp.concatenate([change, one])
+
+
+def scan_chunks(step, initial_state, xs, chunk_seq):
+  """``lax.scan`` of ``step(state, x) -> (state, y)`` over chunks, sequence by sequence.
 
   Args:
-    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; any float dtypes.
-    a: ``[B, T, H, G]`` log decay, ``G`` in ``{{1, K}}``{gates}; b: ``[B, T, H]``.
-    initial_state: ``[B, H, K, V]`` in the compute dtype.
-    scale: multiplies q. chunk_size: C; divides T.
+    step: one chunk; ``state`` ``[B, HV, K, V]``.
+    initial_state: ``[N, HV, K, V]``.
+    xs: per-chunk inputs, leading axis ``N_chunks``.
+    chunk_seq: None (``N = B``, one sequence per row) or ``[N_chunks]``
+      int32 (``B = 1``): the state entering a sequence's first chunk is its
+      initial state, its final state the one leaving its last chunk.
 
   Returns:
-    ``(o, final_state)``: ``[B, T, H, V]`` in v's dtype, ``[B, H, K, V]``.
+    ``(final_state [N, HV, K, V], (entry_states, ys))``, the entry states
+    ``[N_chunks, B, HV, K, V]`` being the ones each chunk used.
   """
+  def entered(state, x):
+    new_state, y = step(state, x)
+    return new_state, (state, y)
+
+  if chunk_seq is None:
+    return lax.scan(entered, initial_state, xs)
+  n_seq = initial_state.shape[0]
+  starts, ends = sequence_bounds(chunk_seq)
+
+  def packed(carry, x):
+    state, finals = carry
+    x, seq, start, end = x
+    state = jnp.where(start, initial_state[seq][None], state)
+    state, out = entered(state, x)
+    finals = finals.at[jnp.where(end, seq, n_seq)].set(state[0], mode="drop")
+    return (state, finals), out
+
+  (_, finals), out = lax.scan(
+      packed, (initial_state[:1], jnp.zeros_like(initial_state)),
+      (xs, chunk_seq, starts, ends))
+  return finals, out
 
 
-def implementation(forward, backward, *, summary: str, gates: str = ""):
-  """Builds an implementation ``f(q, k, v, a, b, initial_state, scale, chunk_size)``.
+def scan_chunks_reverse(step, d_final, xs, chunk_seq):
+  """The reverse of :func:`scan_chunks` for a backward pass.
 
-  Every implementation has the signature and contract of
-  :data:`IMPLEMENTATION_DOC` and a ``jax.custom_vjp``:
-
-  * ``forward(q, k, v, a, b, initial_state, scale, chunk_size)`` returns
-    ``((o, final_state), saved)``;
-  * ``backward(scale, chunk_size, inputs, saved, (d_o, d_final))`` returns
-    the cotangents of the six array inputs, in their dtypes.
+  ``step(d_exit, x) -> (d_entry, y)`` takes the cotangent of a chunk's exit
+  state to that of its entry state. Returns ``(d_initial [N, HV, K, V],
+  (d_exits, ys))`` with ``d_exits`` ``[N_chunks, B, HV, K, V]``.
   """
+  def exited(d_exit, x):
+    d_entry, y = step(d_exit, x)
+    return d_entry, (d_exit, y)
 
-  def f(q, k, v, a, b, initial_state, scale, chunk_size):
-    return forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
+  if chunk_seq is None:
+    return lax.scan(exited, d_final, xs, reverse=True)
+  n_seq = d_final.shape[0]
+  starts, ends = sequence_bounds(chunk_seq)
 
-  f.__doc__ = IMPLEMENTATION_DOC.format(summary=summary, gates=gates)
-  f = jax.custom_vjp(f, nondiff_argnums=(6, 7))
+  def packed(carry, x):
+    d_carry, d_initial = carry
+    x, seq, start, end = x
+    d_exit = d_carry + jnp.where(end, d_final[seq][None], 0)
+    d_entry, out = exited(d_exit, x)
+    d_initial = d_initial.at[jnp.where(start, seq, n_seq)].add(
+        d_entry[0], mode="drop")
+    return (jnp.where(start, 0, d_entry), d_initial), out
 
-  def fwd(*args):
-    outputs, saved = forward(*args)
-    return outputs, (args[:6], saved)
-
-  def bwd(scale, chunk_size, residuals, cotangents):
-    inputs, saved = residuals
-    return backward(scale, chunk_size, inputs, saved, cotangents)
-
-  f.defvjp(fwd, bwd)
-  return f
+  (_, d_initial), out = lax.scan(
+      packed, (jnp.zeros_like(d_final[:1]), jnp.zeros_like(d_final)),
+      (xs, chunk_seq, starts, ends), reverse=True)
+  return d_initial, out

@@ -8,6 +8,8 @@ gradients are those of autodiff through the plain scan.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,49 +27,66 @@ def _batch_major(x: jax.Array) -> jax.Array:
   return common.from_chunks(jnp.moveaxis(x, 1, 3))
 
 
-def _prepare(q, k, v, a, b, scale, chunk_size, dtype):
+def _prepare(q, k, v, a, b, cut, scale, chunk_size, dtype):
+  """Token-major ``(q scaled, k, v, a, b, cut)``; ``cut`` stays None without cuts."""
   q = q.astype(dtype) * scale
-  return tuple(_token_major(x.astype(dtype), chunk_size) for x in (q, k, v, a, b))
+  xs = tuple(_token_major(x.astype(dtype), chunk_size) for x in (q, k, v, a, b))
+  return (*xs, None if cut is None else _token_major(cut, chunk_size))
 
 
-def _scan_tokens(state, q, k, v, a, b):
+def _scan_tokens(state, q, k, v, a, b, cut):
   """Runs :func:`common.token_step` over the leading axis; returns ``(state, o)``."""
-  return lax.scan(lambda s, x: common.token_step(s, *x), state, (q, k, v, a, b))
+  return lax.scan(lambda s, x: common.token_step(s, *x), state,
+                  (q, k, v, a, b, cut))
 
 
-def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
-  dtype = initial_state.dtype
-  xs = _prepare(q, k, v, a, b, scale, chunk_size, dtype)
+def gated_delta_scan(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
+                     chunk_size):
+  """Token-by-token gated delta rule, in the contract of
+  :data:`deltajax.registry.CONTRACT`; ``chunk_size`` is the interval at
+  which the backward keeps states. Returns ``(o, final_state)``.
+  """
+  groups = v.shape[2] // q.shape[2]
+  q, k = (common.repeat_heads(x, groups) for x in (q, k))
+  return _scan(q, k, v, a, b, initial_state, cut, chunk_seq, scale, chunk_size)
 
-  def chunk(state, x):
-    new_state, o = _scan_tokens(state, *x)
-    return new_state, (state, o)
 
-  final_state, (states, o) = lax.scan(chunk, initial_state, xs)
-  return (_batch_major(o).astype(v.dtype), final_state), states
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _scan(q, k, v, a, b, initial_state, cut, chunk_seq, scale, chunk_size):
+  return _scan_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
+                   chunk_size)[0]
 
 
-def _backward(scale, chunk_size, inputs, states, cotangents):
-  q, k, v, a, b, _ = inputs
+def _scan_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
+              chunk_size):
+  xs = _prepare(q, k, v, a, b, cut, scale, chunk_size, initial_state.dtype)
+  final_state, (states, o) = common.scan_chunks(
+      lambda state, x: _scan_tokens(state, *x), initial_state, xs, chunk_seq)
+  outputs = (_batch_major(o).astype(v.dtype), final_state)
+  return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, states)
+
+
+def _scan_bwd(scale, chunk_size, residuals, cotangents):
+  q, k, v, a, b, initial_state, cut, chunk_seq, states = residuals
   d_o, d_final = cotangents
   dtype = states.dtype
-  xs = _prepare(q, k, v, a, b, scale, chunk_size, dtype)
+  xs = _prepare(q, k, v, a, b, cut, scale, chunk_size, dtype)
   d_o = _token_major(d_o.astype(dtype), chunk_size)
 
   def chunk_back(d_next, x):
     state, inputs, d_o_chunk = x
-    _, vjp = jax.vjp(_scan_tokens, state, *inputs)
+    _, vjp = jax.vjp(lambda s, *x: _scan_tokens(s, *x, inputs[-1]), state,
+                     *inputs[:-1])
     d_state, *d_inputs = vjp((d_next, d_o_chunk))
     return d_state, d_inputs
 
-  d_initial, d_inputs = lax.scan(chunk_back, d_final.astype(dtype),
-                                 (states, xs, d_o), reverse=True)
+  d_initial, (_, d_inputs) = common.scan_chunks_reverse(
+      chunk_back, d_final.astype(dtype), (states, xs, d_o), chunk_seq)
   dq, dk, dv, da, db = (_batch_major(x) for x in d_inputs)
   dq = dq * scale
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          da.astype(a.dtype), db.astype(b.dtype), d_initial)
+          da.astype(a.dtype), db.astype(b.dtype),
+          d_initial.astype(initial_state.dtype), None, None)
 
 
-gated_delta_scan = common.implementation(
-    _forward, _backward,
-    summary="Token-by-token gated delta rule (chunk_size: checkpoint interval).")
+_scan.defvjp(_scan_fwd, _scan_bwd)

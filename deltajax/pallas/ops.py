@@ -12,6 +12,9 @@ chunk-entry states and recomputes ``W``, ``U``: memory
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from deltajax import common
@@ -95,7 +98,30 @@ def _backward(scale, chunk_size, inputs, saved, cotangents):
           d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
 
 
-gated_delta_pallas = common.implementation(
-    _forward, _backward,
-    summary="Gated delta rule with Pallas (Triton) kernels.",
-    gates="; only G = 1 (Gated DeltaNet)")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _pallas(q, k, v, a, b, initial_state, scale, chunk_size):
+  return _forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
+
+
+def _pallas_fwd(q, k, v, a, b, initial_state, scale, chunk_size):
+  outputs, saved = _forward(q, k, v, a, b, initial_state, scale, chunk_size)
+  return outputs, ((q, k, v, a, b, initial_state), saved)
+
+
+def _pallas_bwd(scale, chunk_size, residuals, cotangents):
+  inputs, saved = residuals
+  return _backward(scale, chunk_size, inputs, saved, cotangents)
+
+
+_pallas.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
+                       chunk_size):
+  """Gated delta rule with Pallas (Triton) kernels, in the contract of
+  :data:`deltajax.registry.CONTRACT`: scalar gate, no cuts, no packing, no
+  grouped value heads."""
+  if cut is not None or chunk_seq is not None or v.shape[2] != q.shape[2]:
+    raise NotImplementedError("impl='pallas' has no packed sequences or "
+                              "grouped value heads yet")
+  return _pallas(q, k, v, a, b, initial_state, scale, chunk_size)

@@ -1,0 +1,149 @@
+"""The implementations of the gated delta rule, each declaring what it supports.
+
+:data:`REGISTRY` is read by ``impl="auto"``, by input validation, by
+``deltajax.nn``, by the demo and by the tests (one implementation-by-feature
+matrix). Every entry's function has the contract :data:`CONTRACT`; ``api``
+normalises the user's inputs into it (gates, cuts, padding, packing) once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from deltajax import chunked
+from deltajax import pallas
+from deltajax import scan
+
+CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk_size)
+-> (o, final_state)``
+
+* q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` in the user's float dtypes,
+  ``HV = G H`` (value head ``j`` reads query/key head ``j // G``), T a
+  multiple of ``chunk_size``.
+* a ``[B, T, HV, W]`` (``W = 1``: scalar gate; ``W = K``: per channel),
+  finite, ``<= 0``; b ``[B, T, HV]``; both in the compute dtype (float32,
+  float64 for float64 inputs).
+* initial_state ``[N, HV, K, V]`` in the compute dtype; ``N = B`` unless
+  ``chunk_seq`` is given.
+* cut: None, or bool of a's shape: the state before the token is discarded.
+* chunk_seq: None, or int32 ``[T / chunk_size]`` with ``B = 1``: the
+  (non-decreasing) sequence that owns each chunk. The first chunk of a
+  sequence starts from ``initial_state[seq]``; the state leaving its last
+  chunk is ``final_state[seq]``.
+* Returns o ``[B, T, HV, V]`` in v's dtype and final_state
+  ``[N, HV, K, V]`` in the compute dtype; differentiable in q, k, v, a, b
+  and initial_state (``jax.custom_vjp``).
+"""
+
+GATES = ("head", "channel")  # "head": a [B, T, HV]; "channel": [B, T, HV, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One implementation and what it supports.
+
+  Attributes:
+    name: the ``impl=`` name.
+    fn: the function, with the contract :data:`CONTRACT`.
+    gates: the gate kinds it computes ("head", "channel").
+    chunk_sizes: the chunk sizes it accepts.
+    packed: cuts and packed sequences (``cut``, ``chunk_seq``).
+    grouped: grouped value heads (``HV > H``).
+    native: the backends where it runs compiled ("cpu", "gpu", "tpu").
+      Elsewhere it runs only if ``emulated`` (Pallas interpret mode).
+    emulated: runs, slowly, off its native backends.
+    min_capability: for "gpu", the lowest NVIDIA compute capability.
+  """
+  name: str
+  fn: Callable
+  gates: tuple[str, ...]
+  chunk_sizes: tuple[int, ...]
+  packed: bool = True
+  grouped: bool = True
+  native: tuple[str, ...] = ("cpu", "gpu", "tpu")
+  emulated: bool = False
+  min_capability: tuple[int, int] | None = None
+
+  def runs_natively(self) -> bool:
+    """Whether it runs compiled on the default backend (and GPU)."""
+    backend = jax.default_backend()
+    if backend not in self.native:
+      return False
+    if backend == "gpu" and self.min_capability is not None:
+      cc = pallas.gpu_capability()
+      return cc is not None and cc >= self.min_capability
+    return True
+
+  def unsupported(self, *, gate: str, chunk_size: int, packed: bool,
+                  grouped: bool) -> str | None:
+    """Why it cannot run this call, or None when it can."""
+    if gate not in self.gates:
+      return f"it has no {gate!r} gate (it supports {self.gates})"
+    if chunk_size not in self.chunk_sizes:
+      return f"chunk_size must be one of {self.chunk_sizes}"
+    if packed and not self.packed:
+      return "it does not support segment_ids, cu_seqlens or a = -inf"
+    if grouped and not self.grouped:
+      return "it does not support grouped value heads"
+    if not self.runs_natively() and not self.emulated:
+      return f"it runs on {self.native} only, not {jax.default_backend()!r}"
+    if (jax.default_backend() == "gpu" and self.min_capability is not None
+        and not self.runs_natively()):
+      cc = pallas.gpu_capability()
+      return (f"it needs an NVIDIA GPU of compute capability >= "
+              f"{'.'.join(map(str, self.min_capability))}; this one is "
+              f"{cc[0]}.{cc[1]}")
+    return None
+
+
+CHUNK_SIZES = tuple(2 ** i for i in range(9))  # every implementation's, united
+
+REGISTRY = {
+    "scan": Implementation(
+        "scan", scan.gated_delta_scan, gates=GATES, chunk_sizes=CHUNK_SIZES),
+    "chunked": Implementation(
+        "chunked", chunked.gated_delta_chunked, gates=GATES,
+        chunk_sizes=CHUNK_SIZES),
+    "pallas": Implementation(
+        "pallas", pallas.gated_delta_pallas, gates=("head",),
+        chunk_sizes=(16, 32, 64), packed=False, grouped=False, native=("gpu",),
+        emulated=True, min_capability=pallas.MIN_CAPABILITY),
+}
+
+IMPLEMENTATIONS = ("auto", *REGISTRY)
+
+# The CPU forward of "scan" beats "chunked" below these lengths (T, per gate
+# kind), measured with `python -m deltajax --auto-table` (README).
+SCAN_BELOW = {"head": 128, "channel": 512}
+
+
+def select(impl: str, *, gate: str, length: int, chunk_size: int,
+           packed: bool, grouped: bool) -> Implementation:
+  """The implementation that runs a call: ``impl``, or the fastest for "auto".
+
+  "auto" takes "pallas" where it runs natively (NVIDIA GPUs of compute
+  capability >= 8.0) and supports the call; else "scan" for short sequences
+  on the CPU (:data:`SCAN_BELOW`); else "chunked".
+
+  Raises:
+    ValueError: ``impl`` is unknown or cannot run this call.
+  """
+  features = dict(gate=gate, chunk_size=chunk_size, packed=packed,
+                  grouped=grouped)
+  if impl == "auto":
+    pallas_impl = REGISTRY["pallas"]
+    if pallas_impl.runs_natively() and not pallas_impl.unsupported(**features):
+      return pallas_impl
+    if jax.default_backend() == "cpu" and length < SCAN_BELOW[gate]:
+      return REGISTRY["scan"]
+    return REGISTRY["chunked"]
+  if impl not in REGISTRY:
+    raise ValueError(f"impl must be one of {IMPLEMENTATIONS}; got {impl!r}")
+  reason = REGISTRY[impl].unsupported(**features)
+  if reason is not None:
+    raise ValueError(f"impl={impl!r} cannot run this call: {reason}. "
+                     f"impl='auto' picks one that can.")
+  return REGISTRY[impl]
