@@ -316,8 +316,7 @@ class DeltaRuleLayer(nnx.Module):
       a = jnp.where(mask.reshape(bsz, t, *(1,) * (a.ndim - 2)), a, 0.0)
       beta = jnp.where(mask[..., None], beta, 0.0)
     if cache is None:
-      options = {} if segment_ids is None else {"segment_ids": segment_ids}
-      o = self._rule(q, k, v, a, beta, **options)
+      o = self._rule(q, k, v, a, beta, segment_ids=segment_ids)
     else:
       o, state = self._continue(cache.state, q, k, v, a, beta)
     y = self.o_proj(self._gated_norm(o, x).reshape(bsz, t, -1))
@@ -388,12 +387,8 @@ class DeltaRuleLayer(nnx.Module):
 
   def _rule(self, q, k, v, a, beta, **options):
     """:func:`deltajax.gated_delta` with the layer's ``impl`` and ``chunk_size``."""
-    q, k = self._expand_qk(q), self._expand_qk(k)  # TEMPORARY until GVA lands
     return api.gated_delta(q, k, v, a, beta, impl=self.impl,
                            chunk_size=self.chunk_size, **options)
-
-  def _expand_qk(self, x):  # TEMPORARY until GVA lands in main
-    return jnp.repeat(x, self.num_v_heads // self.num_heads, axis=2)
 
   def _continue(self, state, q, k, v, a, beta):
     """Runs the rule from ``state``; one token takes :func:`deltajax.gated_delta_step`.
@@ -401,7 +396,6 @@ class DeltaRuleLayer(nnx.Module):
     Returns ``(o [B, T, HV, V], final_state [B, HV, K, V])``.
     """
     if q.shape[1] == 1:
-      q, k = self._expand_qk(q), self._expand_qk(k)  # TEMPORARY until GVA lands
       o, state = api.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0],
                                       a[:, 0], beta[:, 0])
       return o[:, None], state
