@@ -76,7 +76,7 @@ def _to_numpy(x) -> np.ndarray:
   if hasattr(x, "detach"):
     x = x.detach().cpu()
     if str(x.dtype) in ("torch.bfloat16", "torch.float16"):
-      x = x.float()  # exact; numpy has no bfloat16 in torch's eyes
+      x = x.float()  # torch gives numpy no bfloat16; float32 holds it exactly
     x = x.numpy()
   return np.asarray(x)
 

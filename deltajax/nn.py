@@ -271,6 +271,7 @@ class DeltaRuleLayer(nnx.Module):
             + self.num_v_heads * self.value_head_dim)
 
   def _state_shape(self, batch_size: int) -> tuple[int, ...]:
+    """``(B, HV, K, V)``."""
     return (batch_size, self.num_v_heads, self.head_dim, self.value_head_dim)
 
   def _empty_history(self, batch_size: int) -> jax.Array:
@@ -297,10 +298,12 @@ class DeltaRuleLayer(nnx.Module):
       ``y`` ``[B, T, d_model]`` in the layer's dtype; with ``cache``,
       ``(y, new_cache)``, continuing the sequences that ``cache`` holds.
     """
+    x, mask, segment_ids = (None if z is None else jnp.asarray(z)
+                            for z in (x, mask, segment_ids))
     self._check_call(x, cache, mask, segment_ids)
     bsz, t, _ = x.shape
     if mask is not None:
-      x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
+      x = jnp.where(mask[..., None], x, 0)
     history = self._empty_history(bsz) if cache is None else cache.conv
     qkv, history = causal_depthwise_conv(
         self.qkv_proj(x), self.conv_kernel[...].astype(self.dtype), history,
@@ -321,7 +324,7 @@ class DeltaRuleLayer(nnx.Module):
       o, state = self._continue(cache.state, q, k, v, a, beta)
     y = self.o_proj(self._gated_norm(o, x).reshape(bsz, t, -1))
     if mask is not None:
-      y = jnp.where(mask[..., None], y, 0).astype(y.dtype)
+      y = jnp.where(mask[..., None], y, 0)
     return y if cache is None else (y, DeltaCache(history, state))
 
   def _check_call(self, x, cache, mask, segment_ids) -> None:
