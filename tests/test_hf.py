@@ -197,15 +197,21 @@ def test_qwen3_5_multimodal_checkpoint_layout(tmp_path):
   assert _rel_rms(layers[3](jnp.asarray(x)), _torch_forward(module, x)) < 1e-5
 
 
-def test_bfloat16_torch_tensors_are_read_exactly():
+def test_bfloat16_torch_tensors_are_read_exactly_and_run():
   config = _config("qwen3_5")
-  module = _perturb(_spec("qwen3_5")[1](config, 0), seed=3)
+  module = _perturb(_spec("qwen3_5")[1](config, 0), seed=3).eval()
   state = {k: v.to(torch.bfloat16) for k, v in module.state_dict().items()}
-  layer = hf.qwen3_5_layer(config, state, dtype=jnp.bfloat16)
+  layer = hf.qwen3_5_layer(config, state, dtype=jnp.bfloat16, chunk_size=16)
   assert layer.A_log.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
       np.asarray(layer.A_log[...], np.float32),
       state["A_log"].float().numpy())
+  x = _x(seed=8)
+  y = layer(jnp.asarray(x, jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  # transformers in bfloat16 is about 1e-2 from its float32 output, too.
+  module.load_state_dict({k: v.float() for k, v in state.items()})
+  assert _rel_rms(y.astype(jnp.float32), _torch_forward(module, x)) < 3e-2
 
 
 @pytest.mark.parametrize("change, message", [
