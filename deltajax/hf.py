@@ -99,6 +99,7 @@ def _checked_arrays(state_dict: Mapping[str, Any],
 
 
 def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
+  """Sets a parameter (in its dtype) to ``value``, of the same shape."""
   if tuple(variable.shape) != value.shape:
     raise AssertionError(f"{variable.shape} != {value.shape}")
   variable.set_value(jnp.asarray(value, variable.dtype))
@@ -175,6 +176,9 @@ def qwen3_next_layer(config, state_dict: Mapping[str, Any], *,
   hidden, h, hv, dk, dv = _require(
       config, "hidden_size", "linear_num_key_heads", "linear_num_value_heads",
       "linear_key_head_dim", "linear_value_head_dim")
+  if hv % h:
+    raise ValueError(f"linear_num_value_heads={hv} must be a multiple of "
+                     f"linear_num_key_heads={h}")
   g = hv // h
   arrays = _checked_arrays(state_dict, _qwen_shapes(config, {
       "in_proj_qkvz.weight": (2 * h * dk + 2 * hv * dv, hidden),
