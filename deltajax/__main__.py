@@ -1,9 +1,9 @@
 """``python -m deltajax``: every implementation on one small random input.
 
-Prints the devices, then for each implementation in
-``deltajax.IMPLEMENTATIONS`` (but "auto") its max abs difference from "scan"
-and its forward time (jit, ``block_until_ready``, median of a few runs).
-An implementation that raises ``NotImplementedError`` here is skipped.
+Prints the devices and the implementation that ``impl="auto"`` picks here
+for each gate kind, then for each implementation in
+``deltajax.registry.REGISTRY`` its max abs difference from "scan" and its
+forward time (jit, ``block_until_ready``, median of a few runs).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import deltajax
+from deltajax import registry
 
 SHAPE = dict(batch=2, length=256, heads=4, key_dim=64, value_dim=64)
 REPEATS = 5
@@ -51,21 +52,21 @@ def main() -> None:
   print(f"deltajax {deltajax.__version__}, JAX {jax.__version__}, devices "
         f"{jax.devices()}")
   print("inputs: float32, " + ", ".join(f"{n}={s}" for n, s in SHAPE.items()))
+  for gate in registry.GATES:
+    picks = {t: registry.select("auto", gate=gate, length=t, chunk_size=64,
+                                packed=False, grouped=False).name
+             for t in (SHAPE["length"], 4096)}
+    print(f'impl="auto" for the {gate!r} gate picks ' + ", ".join(
+        f"{name!r} at T = {t}" for t, name in picks.items()))
   args = random_inputs(0, **SHAPE)
   reference = None
-  for impl in ("scan", *(i for i in deltajax.IMPLEMENTATIONS
-                         if i not in ("auto", "scan"))):
+  for impl, entry in registry.REGISTRY.items():
     fn = jax.jit(functools.partial(deltajax.gated_delta, impl=impl))
-    try:
-      o = fn(*args)
-    except NotImplementedError as e:
-      print(f"{impl:>8}: skipped, not implemented here ({e})")
-      continue
+    o = fn(*args)
     reference = o if reference is None else reference
     diff = float(jnp.max(jnp.abs(o - reference)))
     ms = 1e3 * median_seconds(fn, args)
-    note = (" (Pallas interpret mode: no GPU)"
-            if impl == "pallas" and jax.default_backend() != "gpu" else "")
+    note = "" if entry.runs_natively() else " (Pallas interpret mode: no GPU)"
     print(f"{impl:>8}: max abs diff vs scan {diff:.2e}, forward {ms:8.2f} ms"
           f"{note}")
 

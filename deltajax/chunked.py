@@ -60,8 +60,8 @@ def _ut_transform(k, v, gate, b):
   ``Gamma * K K^T`` and ``T``, ``[..., C, C]``."""
   kk = common.decayed_scores(k, k, gate, strict=True)
   t = common.invert_unit_lower(b[..., :, None] * kk)
-  y = t @ (b[..., None] * jnp.concatenate([k * gate.from_start(), v], axis=-1))
-  return y[..., :k.shape[-1]], y[..., k.shape[-1]:], kk, t
+  w = t @ (b[..., None] * k * gate.from_start())
+  return w, t @ (b[..., None] * v), kk, t
 
 
 def _state_scan(w, u, k_end, decay, initial_state, chunk_seq):
@@ -83,8 +83,8 @@ def _state_scan_vjp(w, k_end, decay, d_states, d_delta, d_final, chunk_seq):
   """Reverse of :func:`_state_scan`.
 
   ``d_states`` and ``d_delta`` are the cotangents that reach each chunk's
-  entry state and ``Delta`` from the output. Returns ``(d_initial, d_next,
-  d_delta)`` with ``d_next`` the cotangent of each chunk's exit state.
+  entry state and ``Delta`` from the output. Returns ``(d_initial, (d_next,
+  d_delta))`` with ``d_next`` the cotangent of each chunk's exit state.
   """
 
   def step(d_next, x):
@@ -92,11 +92,10 @@ def _state_scan_vjp(w, k_end, decay, d_states, d_delta, d_final, chunk_seq):
     d_delta = d_delta + k_end @ d_next
     d_state = (d_state + decay[..., :, None] * d_next
                - jnp.einsum("...ck,...cv->...kv", w, d_delta))
-    return d_state, d_delta
+    return d_state, (d_next, d_delta)
 
-  d_initial, (d_next, d_delta) = common.scan_chunks_reverse(
+  return common.scan_chunks_reverse(
       step, d_final, (w, k_end, decay, d_states, d_delta), chunk_seq)
-  return d_initial, d_next, d_delta
 
 
 def gated_delta_chunked(q, k, v, a, b, initial_state, cut, chunk_seq, *,
@@ -132,21 +131,21 @@ def _chunked_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
 
 def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, kk, t):
   """Cotangents of :func:`_ut_transform`: ``(dk, dv, dg, db)``, dg per channel."""
-  n_k = c.k.shape[-1]
   e_g = c.gate.from_start()
-  x = jnp.concatenate([c.k * e_g, c.v], axis=-1)
-  # [W | U] = T diag(b) X with T = (I + M)^-1: dX = T^T d[W | U] (times b)
-  # and dM = -T^T d[W | U] [W | U]^T.
-  d_x = jnp.swapaxes(t, -1, -2) @ jnp.concatenate([d_w, d_u], axis=-1)
-  d_m = -d_x @ jnp.swapaxes(jnp.concatenate([w, u], axis=-1), -1, -2)
-  db = jnp.sum(d_x * x, axis=-1) + jnp.sum(d_m * kk, axis=-1)
-  d_x = c.b[..., None] * d_x
+  k_g = c.k * e_g
+  # [W | U] = T diag(b) [K e^g | V] with T = (I + M)^-1: d[K e^g | V] =
+  # diag(b) T^T d[W | U] and dM = -T^T d[W | U] [W | U]^T.
+  t_t = jnp.swapaxes(t, -1, -2)
+  d_kg, d_v = t_t @ d_w, t_t @ d_u
+  d_m = -(d_kg @ jnp.swapaxes(w, -1, -2) + d_v @ jnp.swapaxes(u, -1, -2))
+  db = (jnp.sum(d_kg * k_g, axis=-1) + jnp.sum(d_v * c.v, axis=-1)
+        + jnp.sum(d_m * kk, axis=-1))
+  d_kg, d_v = c.b[..., None] * d_kg, c.b[..., None] * d_v
   dk1, dk2, dg1, dg2 = common.decayed_scores_vjp(
       c.b[..., :, None] * d_m, c.k, c.k, c.gate, strict=True)
-  d_kg = d_x[..., :n_k]
   dk = dk1 + dk2 + d_kg * e_g
-  dg = dg1 + dg2 + d_kg * x[..., :n_k]
-  return dk, d_x[..., n_k:], dg, db
+  dg = dg1 + dg2 + d_kg * k_g
+  return dk, d_v, dg, db
 
 
 def _chunked_bwd(scale, chunk_size, residuals, cotangents):
@@ -172,7 +171,7 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
   dg = dg_q + dg_k + d_qg * c.q * e_g
 
   # State scan, then its inputs: Delta = U - W S and the chunk-end decays.
-  d_initial, d_next, d_delta = _state_scan_vjp(
+  d_initial, (d_next, d_delta) = _state_scan_vjp(
       w, k_end, decay, d_states, d_delta, d_final.astype(dtype), chunk_seq)
   d_k_end = jnp.einsum("...cv,...kv->...ck", delta, d_next)
   dk = dk + d_k_end * to_end

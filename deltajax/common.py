@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 SUB = 16  # block size of the blocked triangular inverse
 
@@ -128,6 +129,119 @@ class ChunkGate(NamedTuple):
     return _masked_exp(self.g[..., :, None, :] - self.g[..., None, :, :], mask)
 
 
+def _roll_rows(x: jax.Array, d) -> jax.Array:
+  """``y[..., i, :] = x[..., i - d, :]`` along the chunk axis (wrapping around;
+  the wrapped rows are masked by the callers)."""
+  return jnp.roll(x, d, axis=-2)
+
+
+class _ChannelBlocks(NamedTuple):
+  """The per-channel decay of one chunk, in pieces that never hold ``[C, C, K]``.
+
+  The chunk is cut into ``nS`` sub-chunks of ``S`` tokens (the KDA seed's
+  16-token diagonal blocks). Pairs inside a sub-chunk (offsets
+  ``d = i - j < S``) take ``exp(g_i - g_j)`` per element, one offset at a
+  time (:meth:`band`, formed where it is used). A pair of sub-chunks
+  ``J < I`` factors through ``rho_J``, the log gate at the end of ``J``:
+  ``exp(g_i - rho_J) exp(rho_J - g_j)``, both exponents ``<= 0``, so no
+  exponent of a positive number is ever taken, however strong the gate.
+  """
+  gate: ChunkGate
+  sub: int
+
+  def _split(self, x):
+    """``[..., C, K]`` -> ``[..., nS, S, K]``."""
+    return x.reshape(*x.shape[:-2], -1, self.sub, x.shape[-1])
+
+  def _ends(self, x):
+    """``[..., nS, 1, K]``: each sub-chunk's last row."""
+    return self._split(x)[..., -1:, :]
+
+  def to_block_end(self) -> jax.Array:
+    """``[..., nS, S, K]``: ``exp(rho_J - g_j)``, j in sub-chunk J."""
+    g, n = self.gate
+    mask = True if n is None else self._split(n) == self._ends(n)
+    return _masked_exp(self._ends(g) - self._split(g), mask)
+
+  def from_block_end(self, row: int, block: int) -> jax.Array:
+    """``[..., S, K]``: ``exp(g_i - rho_J)``, ``J = block``, i in sub-chunk ``row``."""
+    g, n = self.gate
+    end = self._ends(g)[..., block, :, :]
+    mask = True if n is None else (
+        self._split(n)[..., row, :, :] == self._ends(n)[..., block, :, :])
+    return _masked_exp(self._split(g)[..., row, :, :] - end, mask)
+
+  def band(self, d) -> jax.Array:
+    """``[..., C, K]``: the decay from token ``i - d`` to ``i`` in one sub-chunk.
+
+    ``d`` may be traced (the offsets run in a ``fori_loop``, so that one
+    offset's ``[..., C, K]`` temporaries are live at a time).
+    """
+    g, n = self.gate
+    pos = jnp.arange(g.shape[-2])
+    same = ((pos >= d) & (pos // self.sub == (pos - d) // self.sub))[:, None]
+    if n is not None:
+      same = same & (n == _roll_rows(n, d))
+    return _masked_exp(g - _roll_rows(g, d), same)
+
+  def band_index(self, strict: bool):
+    """Static ``(rows, cols, offsets)`` of the in-sub-chunk pairs ``j <= i``."""
+    c = self.gate.g.shape[-2]
+    i, d = np.meshgrid(np.arange(c), np.arange(int(strict), self.sub),
+                       indexing="ij")
+    keep = (i - d >= 0) & ((i - d) // self.sub == i // self.sub)
+    return i[keep], (i - d)[keep], d[keep]
+
+
+def _channel_scores(x, y, blocks: _ChannelBlocks, strict: bool):
+  """:func:`decayed_scores` for a per-channel gate, from :class:`_ChannelBlocks`."""
+  xs, ys = blocks._split(x), blocks._split(y) * blocks.to_block_end()
+  n_sub, sub = xs.shape[-3:-1]
+  rows = []
+  for i in range(n_sub):
+    row = [jnp.einsum("...ik,...jk->...ij",
+                      xs[..., i, :, :] * blocks.from_block_end(i, j),
+                      ys[..., j, :, :]) for j in range(i)]
+    row += [jnp.zeros((*x.shape[:-2], sub, sub), x.dtype)] * (n_sub - i)
+    rows.append(jnp.concatenate(row, axis=-1))
+  scores = jnp.concatenate(rows, axis=-2)
+  def diagonal(d, diagonals):
+    values = jnp.sum(x * _roll_rows(y, d) * blocks.band(d), axis=-1)
+    return lax.dynamic_update_slice_in_dim(diagonals, values[..., None], d, -1)
+
+  diagonals = lax.fori_loop(0, sub, diagonal,
+                            jnp.zeros((*x.shape[:-1], sub), x.dtype))
+  i, j, d = blocks.band_index(strict)
+  return scores.at[..., i, j].add(diagonals[..., i, d])
+
+
+def _channel_scores_vjp(d_scores, x, y, blocks: _ChannelBlocks, strict: bool):
+  """``(dx, dy)`` of :func:`_channel_scores`."""
+  to_end = blocks.to_block_end()
+  xs, ys = blocks._split(x), blocks._split(y) * to_end
+  n_sub, sub = xs.shape[-3:-1]
+  dxs = [jnp.zeros_like(xs[..., 0, :, :]) for _ in range(n_sub)]
+  dys = [jnp.zeros_like(xs[..., 0, :, :]) for _ in range(n_sub)]
+  for i in range(1, n_sub):
+    for j in range(i):
+      d_block = d_scores[..., i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
+      from_end = blocks.from_block_end(i, j)
+      dxs[i] += (d_block @ ys[..., j, :, :]) * from_end
+      dys[j] += jnp.swapaxes(d_block, -1, -2) @ (xs[..., i, :, :] * from_end)
+  dx = jnp.concatenate(dxs, axis=-2)
+  dy = (jnp.stack(dys, axis=-3) * to_end).reshape(y.shape)
+  i, j, d = blocks.band_index(strict)
+  d_diagonals = jnp.zeros((*x.shape[:-1], sub), x.dtype).at[..., i, d].set(
+      d_scores[..., i, j])
+
+  def diagonal(d, grads):
+    dx, dy = grads
+    part = lax.dynamic_slice_in_dim(d_diagonals, d, 1, -1) * blocks.band(d)
+    return dx + part * _roll_rows(y, d), dy + _roll_rows(part * x, -d)
+
+  return lax.fori_loop(0, sub, diagonal, (dx, dy))
+
+
 def decayed_scores(x, y, gate: ChunkGate, *, strict: bool) -> jax.Array:
   """``A[i, j] = sum_k x[i, k] y[j, k] decay_k(j -> i)`` on the causal triangle.
 
@@ -137,31 +251,31 @@ def decayed_scores(x, y, gate: ChunkGate, *, strict: bool) -> jax.Array:
     strict: keep ``j < i`` (the UT system) instead of ``j <= i`` (the output).
 
   Returns:
-    ``[..., C, C]``. For a scalar gate this is ``Gamma * (x y^T)``; for a
-    per-channel gate every exponent is taken per element and is ``<= 0``, so
-    strong KDA gates neither overflow nor need a reference point.
+    ``[..., C, C]``. For a scalar gate this is ``Gamma * (x y^T)``. For a
+    per-channel gate every exponent taken is ``<= 0`` (:class:`_ChannelBlocks`),
+    so strong KDA gates never overflow, and no ``[C, C, K]`` tensor is formed.
   """
-  e = gate.between(strict)
-  if e.shape[-1] == 1:
-    return jnp.einsum("...ik,...jk->...ij", x, y) * e[..., 0]
-  return jnp.einsum("...ik,...jk,...ijk->...ij", x, y, e)
+  if gate.g.shape[-1] == 1:
+    return jnp.einsum("...ik,...jk->...ij", x, y) * gate.between(strict)[..., 0]
+  return _channel_scores(x, y, _ChannelBlocks(gate, min(SUB, x.shape[-2])),
+                         strict)
 
 
 def decayed_scores_vjp(d_scores, x, y, gate: ChunkGate, *, strict: bool):
   """Cotangents of :func:`decayed_scores`.
 
-  Returns ``(dx, dy, dg_x, dg_y)``, all ``[..., C, K]``; the gate cotangents
-  are per channel (``x * dx`` and ``-y * dy``) and are summed over ``K`` by
-  :func:`reduce_gate` when the gate is scalar.
+  Returns ``(dx, dy, dg_x, dg_y)``, all ``[..., C, K]``. Each term is
+  ``x_ik y_jk exp(g_ik - g_jk)``, so the gate cotangents are per channel
+  ``x * dx`` and ``-y * dy`` (whatever reference point the pieces used);
+  :func:`reduce_gate` sums them over ``K`` for a scalar gate.
   """
-  e = gate.between(strict)
-  if e.shape[-1] == 1:
-    d = d_scores * e[..., 0]
+  if gate.g.shape[-1] == 1:
+    d = d_scores * gate.between(strict)[..., 0]
     dx = jnp.einsum("...ij,...jk->...ik", d, y)
     dy = jnp.einsum("...ij,...ik->...jk", d, x)
   else:
-    dx = jnp.einsum("...ij,...jk,...ijk->...ik", d_scores, y, e)
-    dy = jnp.einsum("...ij,...ik,...ijk->...jk", d_scores, x, e)
+    dx, dy = _channel_scores_vjp(
+        d_scores, x, y, _ChannelBlocks(gate, min(SUB, x.shape[-2])), strict)
   return dx, dy, x * dx, -y * dy
 
 
@@ -326,15 +440,10 @@ def scan_chunks_reverse(step, d_final, xs, chunk_seq):
   """The reverse of :func:`scan_chunks` for a backward pass.
 
   ``step(d_exit, x) -> (d_entry, y)`` takes the cotangent of a chunk's exit
-  state to that of its entry state. Returns ``(d_initial [N, HV, K, V],
-  (d_exits, ys))`` with ``d_exits`` ``[N_chunks, B, HV, K, V]``.
+  state to that of its entry state. Returns ``(d_initial [N, HV, K, V], ys)``.
   """
-  def exited(d_exit, x):
-    d_entry, y = step(d_exit, x)
-    return d_entry, (d_exit, y)
-
   if chunk_seq is None:
-    return lax.scan(exited, d_final, xs, reverse=True)
+    return lax.scan(step, d_final, xs, reverse=True)
   n_seq = d_final.shape[0]
   starts, ends = sequence_bounds(chunk_seq)
 
@@ -342,7 +451,7 @@ def scan_chunks_reverse(step, d_final, xs, chunk_seq):
     d_carry, d_initial = carry
     x, seq, start, end = x
     d_exit = d_carry + jnp.where(end, d_final[seq][None], 0)
-    d_entry, out = exited(d_exit, x)
+    d_entry, out = step(d_exit, x)
     d_initial = d_initial.at[jnp.where(start, seq, n_seq)].add(
         d_entry[0], mode="drop")
     return (jnp.where(start, 0, d_entry), d_initial), out

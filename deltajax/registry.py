@@ -116,7 +116,7 @@ REGISTRY = {
 IMPLEMENTATIONS = ("auto", *REGISTRY)
 
 # The CPU forward of "scan" beats "chunked" below these lengths (T, per gate
-# kind), measured with `python -m deltajax --auto-table` (README).
+# kind); measured by benchmarks/cpu_auto.py (README, "Implementations").
 SCAN_BELOW = {"head": 128, "channel": 512}
 
 

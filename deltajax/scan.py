@@ -80,7 +80,7 @@ def _scan_bwd(scale, chunk_size, residuals, cotangents):
     d_state, *d_inputs = vjp((d_next, d_o_chunk))
     return d_state, d_inputs
 
-  d_initial, (_, d_inputs) = common.scan_chunks_reverse(
+  d_initial, d_inputs = common.scan_chunks_reverse(
       chunk_back, d_final.astype(dtype), (states, xs, d_o), chunk_seq)
   dq, dk, dv, da, db = (_batch_major(x) for x in d_inputs)
   dq = dq * scale

@@ -87,3 +87,51 @@ def plain_scan_vjp(inputs, cotangents):
   """
   outputs, vjp = jax.vjp(plain_scan, *inputs)
   return outputs, vjp(cotangents)
+
+
+def grouped(q, k, v):
+  """q, k ``[B, T, H, K]`` repeated to v's ``HV = G H`` heads (head ``j`` reads ``j // G``)."""
+  groups = v.shape[2] // q.shape[2]
+  return jnp.repeat(q, groups, axis=2), jnp.repeat(k, groups, axis=2)
+
+
+def plain_scan_grouped(q, k, v, a, b, initial_state):
+  """:func:`plain_scan` with grouped value heads."""
+  return plain_scan(*grouped(q, k, v), v, a, b, initial_state)
+
+
+def sequence_by_sequence(q, k, v, a, b, initial_state, cu_seqlens):
+  """Packed sequences (fla's ``cu_seqlens``, B = 1), each run on its own.
+
+  ``initial_state`` is ``[N, HV, K, V]``; returns ``(o [1, T, HV, V],
+  final_state [N, HV, K, V])`` of :func:`plain_scan_grouped` per sequence.
+  """
+  outputs, finals = [], []
+  for n, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+    piece = (x[:, start:end] for x in (q, k, v, a, b))
+    o, s = plain_scan_grouped(*piece, initial_state[n:n + 1])
+    outputs.append(o)
+    finals.append(s)
+  return jnp.concatenate(outputs, axis=1), jnp.concatenate(finals, axis=0)
+
+
+def segment_by_segment(q, k, v, a, b, initial_state, segment_ids):
+  """Rows of packed documents (``segment_ids`` ``[B, T]``, numpy), each run on its own.
+
+  A row's first segment starts from its initial state, the others from zero;
+  the final state is the state after the row's last token.
+  """
+  outputs, finals = [], []
+  for row, ids in enumerate(np.asarray(segment_ids)):
+    starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
+    state = initial_state[row:row + 1]
+    pieces = []
+    for i, (start, end) in enumerate(zip(starts, starts[1:] + [len(ids)])):
+      if i > 0:
+        state = jnp.zeros_like(state)
+      o, state = plain_scan_grouped(
+          *(x[row:row + 1, start:end] for x in (q, k, v, a, b)), state)
+      pieces.append(o)
+    outputs.append(jnp.concatenate(pieces, axis=1))
+    finals.append(state)
+  return jnp.concatenate(outputs, axis=0), jnp.concatenate(finals, axis=0)

@@ -15,6 +15,8 @@ AGREEMENT = 1e-4  # chunked vs scan, float32
 # name -> (a value, b value, T); None keeps the realistic random value.
 EXTREMES = {
     "a=-30": (-30.0, None, 100),
+    "a=-inf": (-np.inf, None, 100),
+    "a=-inf on every 7th token": ("-inf every 7", None, 100),
     "a=0": (0.0, None, 100),
     "b=0": (None, 0.0, 100),
     "b=1.99": (None, 1.99, 100),
@@ -26,7 +28,11 @@ def _inputs(extreme, per_channel, seed, **shape):
   a_value, b_value, length = EXTREMES.get(extreme, (None, None, None))
   x = utils.random_inputs(seed, length=shape.pop("length", length),
                           per_channel=per_channel, **shape)
-  if a_value is not None:
+  if a_value == "-inf every 7":
+    x = x._replace(a=np.where((np.arange(x.a.shape[1]) % 7 == 3)[
+        :, None] if x.a.ndim == 3 else (np.arange(x.a.shape[1]) % 7 == 3)[
+            :, None, None], -np.inf, x.a))
+  elif a_value is not None:
     x = x._replace(a=np.full_like(x.a, a_value))
   if b_value is not None:
     x = x._replace(b=np.full_like(x.b, b_value))

@@ -1,6 +1,7 @@
 """Bad input raises ValueError or TypeError with a message that says what is wrong."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import deltajax
@@ -27,19 +28,19 @@ BAD_CALLS = {
     "q rank 3": (ValueError, r"q has rank 3", dict(q=_zeros(B, T, K))),
     "k shape": (ValueError, r"k must have shape",
                 dict(k=_zeros(B, T, H, K + 1))),
-    "v batch": (ValueError, r"v must have shape \[B, T, H, V\]",
+    "v batch": (ValueError, r"v must have shape \[B, T, HV, V\]",
                 dict(v=_zeros(B + 1, T, H, V))),
-    "v length": (ValueError, r"v must have shape \[B, T, H, V\]",
+    "v length": (ValueError, r"v must have shape \[B, T, HV, V\]",
                  dict(v=_zeros(B, T + 1, H, V))),
-    "v heads": (ValueError, r"v must have shape \[B, T, H, V\]",
+    "v heads": (ValueError, r"HV a multiple of H = 3",
                 dict(v=_zeros(B, T, H + 1, V))),
     "v rank": (ValueError, r"v must have shape", dict(v=_zeros(B, T, H))),
-    "a shape": (ValueError, r"a must have shape \[B, T, H\]",
+    "a shape": (ValueError, r"a must have shape \[B, T, HV\]",
                 dict(a=_zeros(B, T, H, K + 1))),
     "a length": (ValueError, r"a must have shape", dict(a=_zeros(B, T - 1, H))),
-    "b shape": (ValueError, r"b must have shape \[B, T, H\]",
+    "b shape": (ValueError, r"b must have shape \[B, T, HV\]",
                 dict(b=_zeros(B, T, H, 1))),
-    "state shape": (ValueError, r"initial_state must have shape \[B, H, K, V\]",
+    "state shape": (ValueError, r"initial_state must have shape \[N, HV, K, V\]",
                     dict(initial_state=_zeros(B, H, V, K))),
     "empty T": (ValueError, r"T, K and V must be positive",
                 dict(q=_zeros(B, 0, H, K), k=_zeros(B, 0, H, K),
@@ -53,11 +54,37 @@ BAD_CALLS = {
                  dict(chunk_size=48)),
     "chunk 0": (ValueError, r"chunk_size must be a power of two",
                 dict(chunk_size=0)),
-    "chunk float": (ValueError, r"chunk_size must be a power of two",
+    "chunk float": (TypeError, r"chunk_size must be an int; got float",
                     dict(chunk_size=64.0)),
+    "chunk bool": (TypeError, r"chunk_size must be an int; got bool",
+                   dict(chunk_size=True)),
+    "pallas chunk 8": (ValueError, r"impl='pallas' cannot run this call: "
+                       r"chunk_size must be one of \(16, 32, 64\)",
+                       dict(chunk_size=8, impl="pallas")),
+    "string scale": (TypeError, r"scale must be a Python or numpy real number",
+                     dict(scale="x")),
+    "segment_ids float": (TypeError, r"segment_ids must be an integer array",
+                          dict(segment_ids=_zeros(B, T))),
+    "segment_ids shape": (ValueError, r"segment_ids must have shape \[B, T\]",
+                          dict(segment_ids=_zeros(B, T + 1, dtype=jnp.int32))),
+    "cu_seqlens batch": (ValueError, r"with cu_seqlens, q must have batch "
+                         r"size 1", dict(cu_seqlens=jnp.array([0, T]))),
+    "cu_seqlens float": (TypeError, r"cu_seqlens must be an integer array",
+                         dict(cu_seqlens=jnp.array([0.0, T]))),
+    "cu_seqlens and segment_ids": (
+        ValueError, r"segment_ids or cu_seqlens, not both",
+        dict(cu_seqlens=jnp.array([0, T]),
+             segment_ids=_zeros(B, T, dtype=jnp.int32))),
+    "A_log shape": (ValueError, r"A_log must have shape \[HV\]",
+                    dict(A_log=_zeros(H + 1))),
+    "dt_bias without A_log": (ValueError, r"dt_bias needs A_log",
+                              dict(dt_bias=_zeros(H))),
+    "kda dt_bias shape": (ValueError, r"dt_bias must have shape \[HV, K\]",
+                          dict(a=_zeros(B, T, H, K), A_log=_zeros(H),
+                               dt_bias=_zeros(H))),
     "unknown impl": (ValueError, r"impl must be one of .*'fast'",
                      dict(impl="fast")),
-    "array scale": (TypeError, r"scale must be a Python number",
+    "array scale": (TypeError, r"scale must be a Python or numpy real number",
                     dict(scale=jnp.float32(0.5))),
     "rank-2 v": (ValueError, r"k and v must be \[T, K\] and \[T, V\]",
                  dict(q=_zeros(T, K), k=_zeros(T, K), v=_zeros(B, T, H, V))),
@@ -87,12 +114,12 @@ BAD_STEPS = {
     "q rank": (ValueError, r"q must have shape \[B, H, K\]",
                dict(q=_zeros(B, K))),
     "k shape": (ValueError, r"k must have shape", dict(k=_zeros(B, H, K + 1))),
-    "v heads": (ValueError, r"v must have shape \[B, H, V\]",
+    "v heads": (ValueError, r"v must have shape \[B, HV, V\]",
                 dict(v=_zeros(B, H + 1, V))),
-    "a shape": (ValueError, r"a must have shape \[B, H\]",
+    "a shape": (ValueError, r"a must have shape \[B, HV\]",
                 dict(a=_zeros(B, H, V + K))),
     "b shape": (ValueError, r"b must have shape", dict(b=_zeros(B, H, 1))),
-    "state shape": (ValueError, r"state must have shape \[B, H, K, V\]",
+    "state shape": (ValueError, r"state must have shape \[B, HV, K, V\]",
                     dict(state=_zeros(B, H, V, K))),
     "integer v": (TypeError, r"v must be a floating-point array",
                   dict(v=jnp.ones((B, H, V), jnp.int32))),
@@ -107,6 +134,12 @@ def test_gated_delta_step_rejects(name):
   args.update(changes)
   with pytest.raises(error, match=message):
     deltajax.gated_delta_step(**args)
+
+
+def test_numpy_numbers_are_accepted():
+  o = deltajax.gated_delta(**_args(chunk_size=np.int64(16),
+                                   scale=np.float32(0.5)))
+  assert o.shape == (B, T, H, V)
 
 
 def test_valid_arguments_are_accepted():

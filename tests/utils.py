@@ -22,26 +22,33 @@ class Inputs(NamedTuple):
   """float64 numpy inputs in deltajax's layout."""
   q: np.ndarray  # [B, T, H, K]
   k: np.ndarray  # [B, T, H, K], L2-normalised
-  v: np.ndarray  # [B, T, H, V]
-  a: np.ndarray  # [B, T, H] or [B, T, H, K], log decay <= 0
-  b: np.ndarray  # [B, T, H], beta in (0, 1)
-  initial_state: np.ndarray  # [B, H, K, V]
+  v: np.ndarray  # [B, T, HV, V]
+  a: np.ndarray  # [B, T, HV] or [B, T, HV, K], log decay <= 0
+  b: np.ndarray  # [B, T, HV], beta in (0, 1)
+  initial_state: np.ndarray  # [N, HV, K, V]
 
 
 def random_inputs(seed: int, *, batch=2, length=12, heads=2, key_dim=4,
                   value_dim=4, per_channel=False, gate_scale=1.0,
-                  state_scale=0.5) -> Inputs:
+                  state_scale=0.5, value_heads=None, states=None) -> Inputs:
   """Inputs like fla's tests: q, v ~ N(0, 1), k L2-normalised,
-  ``b = sigmoid(N(0, 1))``, ``a = gate_scale * logsigmoid(N(0, 1))``."""
+  ``b = sigmoid(N(0, 1))``, ``a = gate_scale * logsigmoid(N(0, 1))``.
+
+  ``value_heads`` (HV, default H) gives v, a, b and the state grouped value
+  heads; ``states`` (default B) the number of initial states (the number of
+  sequences of packed inputs).
+  """
   rng = np.random.default_rng(seed)
+  hv = heads if value_heads is None else value_heads
   q = rng.standard_normal((batch, length, heads, key_dim))
   k = rng.standard_normal((batch, length, heads, key_dim))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = rng.standard_normal((batch, length, heads, value_dim))
-  gate_shape = (batch, length, heads) + ((key_dim,) if per_channel else ())
+  v = rng.standard_normal((batch, length, hv, value_dim))
+  gate_shape = (batch, length, hv) + ((key_dim,) if per_channel else ())
   a = -gate_scale * np.logaddexp(0.0, -rng.standard_normal(gate_shape))
-  b = 1.0 / (1.0 + np.exp(-rng.standard_normal((batch, length, heads))))
-  s0 = state_scale * rng.standard_normal((batch, heads, key_dim, value_dim))
+  b = 1.0 / (1.0 + np.exp(-rng.standard_normal((batch, length, hv))))
+  s0 = state_scale * rng.standard_normal(
+      (batch if states is None else states, hv, key_dim, value_dim))
   return Inputs(q, k, v, a, b, s0)
 
 

@@ -1,0 +1,171 @@
+"""The implementation-by-feature matrix: packed sequences, grouped value heads,
+fused gates, against float64 references run sequence by sequence.
+
+Every implementation in ``deltajax.registry.REGISTRY`` that runs compiled
+on this backend is checked for each feature it declares; a feature it does
+not declare must be refused by name and never picked by "auto". (The
+Pallas kernels run here only in interpret mode: tests/test_pallas.py checks
+them at smaller shapes.)
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deltajax
+from deltajax import registry
+import reference
+import utils
+
+NATIVE = tuple(name for name, impl in registry.REGISTRY.items()
+               if impl.runs_natively())
+TOL = 1e-9  # relative max error, float64
+
+
+def _supporting(feature):
+  return tuple(n for n in NATIVE if getattr(registry.REGISTRY[n], feature))
+
+
+def _assert_close(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape
+    assert utils.relative_max_error(g, w) < TOL, utils.relative_max_error(g, w)
+
+
+def _check_vjp(fn, ref, args, seed):
+  """Outputs and every gradient of ``fn`` equal ``ref``'s (float64)."""
+  outputs, ref_pullback = jax.vjp(ref, *args)
+  cotangents = tuple(jnp.asarray(np.random.default_rng(seed).standard_normal(
+      o.shape)) for o in outputs)
+  got, pullback = jax.vjp(fn, *args)
+  _assert_close(got, outputs)
+  _assert_close(pullback(cotangents), ref_pullback(cotangents))
+
+
+CU_SEQLENS = ([0, 15, 100, 300, 1200, 2000], [0, 122, 229, 400, 1000], [0, 1],
+              [0, 5, 5, 70])  # the last has an empty sequence
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("gate", ("gdn", "kda"))
+@pytest.mark.parametrize("cu_seqlens", CU_SEQLENS, ids=str)
+@pytest.mark.parametrize("impl", _supporting("packed"))
+def test_cu_seqlens_equal_sequence_by_sequence(impl, cu_seqlens, gate):
+  cu = np.asarray(cu_seqlens)
+  x = utils.random_inputs(len(cu) + cu[-1], batch=1, length=int(cu[-1]),
+                          heads=1, value_heads=2, key_dim=6, value_dim=5,
+                          per_channel=gate == "kda", states=len(cu) - 1)
+  args = tuple(jnp.asarray(t) for t in x)
+
+  def fn(*args):
+    return utils.gated_delta(impl, *args, scale=1.0, cu_seqlens=jnp.asarray(cu),
+                             chunk_size=16)
+
+  ref = functools.partial(reference.sequence_by_sequence, cu_seqlens=cu)
+  _check_vjp(fn, lambda *a: ref(*a), args, seed=1)
+
+
+SEGMENT_IDS = np.array([[0] * 7 + [1] * 30 + [2] * 1 + [3] * 12,
+                        [5] * 16 + [6] * 16 + [9] * 18])
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("gate", ("gdn", "kda"))
+@pytest.mark.parametrize("impl", _supporting("packed"))
+def test_segment_ids_equal_segment_by_segment(impl, gate):
+  x = utils.random_inputs(11, batch=2, length=SEGMENT_IDS.shape[1], heads=2,
+                          key_dim=5, value_dim=4, per_channel=gate == "kda")
+  args = tuple(jnp.asarray(t) for t in x)
+
+  def fn(*args):
+    return utils.gated_delta(impl, *args, scale=1.0, chunk_size=16,
+                             segment_ids=jnp.asarray(SEGMENT_IDS))
+
+  ref = functools.partial(reference.segment_by_segment,
+                          segment_ids=SEGMENT_IDS)
+  _check_vjp(fn, lambda *a: ref(*a), args, seed=2)
+
+
+def test_cu_seqlens_may_be_traced_without_recompiling():
+  x = utils.random_inputs(3, batch=1, length=40, heads=1, states=3)
+  args = tuple(jnp.asarray(t, jnp.float32) for t in x)
+  traces = []
+
+  @jax.jit
+  def fn(cu, *args):
+    traces.append(1)
+    return utils.gated_delta("chunked", *args, cu_seqlens=cu, chunk_size=16)
+
+  for cu in ([0, 3, 20, 40], [0, 17, 18, 40]):
+    got = fn(jnp.asarray(cu), *args)
+    scale = args[0].shape[-1] ** -0.5
+    want = reference.sequence_by_sequence(args[0] * scale, *args[1:],
+                                          np.asarray(cu))
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+  assert len(traces) == 1
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("heads", ((2, 4), (2, 8), (4, 8)), ids=str)
+@pytest.mark.parametrize("gate", ("gdn", "kda"))
+@pytest.mark.parametrize("impl", _supporting("grouped"))
+def test_grouped_value_heads_equal_repeated_keys(impl, gate, heads):
+  h, hv = heads
+  x = utils.random_inputs(20 + hv, batch=2, length=37, heads=h, value_heads=hv,
+                          key_dim=6, value_dim=5, per_channel=gate == "kda")
+  args = tuple(jnp.asarray(t) for t in x)
+  fn = functools.partial(utils.gated_delta, impl, scale=1.0, chunk_size=16)
+  _check_vjp(fn, reference.plain_scan_grouped, args, seed=3)
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("gate", ("gdn", "kda"))
+@pytest.mark.parametrize("impl", NATIVE)
+def test_fused_options_equal_their_unfused_form(impl, gate):
+  x = utils.random_inputs(30, batch=2, length=21, heads=2, key_dim=6,
+                          value_dim=5, per_channel=gate == "kda")
+  q, k, v, raw_a, raw_b, s0 = (jnp.asarray(t) for t in x)
+  rng = np.random.default_rng(31)
+  a_log = jnp.asarray(rng.standard_normal((2,)))
+  dt_bias = jnp.asarray(rng.standard_normal(raw_a.shape[2:]))
+
+  def fused(q, k, v, raw_a, raw_b, s0, a_log, dt_bias):
+    return utils.gated_delta(impl, 3 * q, 2 * k, v, raw_a, raw_b, s0,
+                             use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias,
+                             beta_sigmoid=True, allow_neg_eigval=True,
+                             chunk_size=16)
+
+  def unfused(q, k, v, raw_a, raw_b, s0, a_log, dt_bias):
+    norm = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+    rate = jnp.exp(a_log) if raw_a.ndim == 3 else jnp.exp(a_log)[:, None]
+    a = -rate * jax.nn.softplus(raw_a + dt_bias)
+    return utils.gated_delta("scan", norm(3 * q), norm(2 * k), v, a,
+                             2 * jax.nn.sigmoid(raw_b), s0, chunk_size=16)
+
+  _check_vjp(fused, unfused, (q, k, v, raw_a, raw_b, s0, a_log, dt_bias),
+             seed=4)
+
+
+@pytest.mark.parametrize("feature", ("packed", "grouped"))
+def test_auto_never_picks_an_implementation_without_the_feature(feature):
+  call = dict(gate="head", length=4096, chunk_size=64, packed=False,
+              grouped=False)
+  call[feature] = True
+  chosen = registry.select("auto", **call)
+  assert getattr(chosen, feature)
+  for name, impl in registry.REGISTRY.items():
+    if not getattr(impl, feature):
+      with pytest.raises(ValueError, match=f"impl={name!r} cannot run"):
+        registry.select(name, **call)
+
+
+@pytest.mark.parametrize("gate", ("head", "channel"))
+def test_auto_picks_an_implementation_that_supports_the_gate(gate):
+  for length in (16, 4096):
+    chosen = registry.select("auto", gate=gate, length=length, chunk_size=64,
+                             packed=False, grouped=False)
+    assert gate in chosen.gates and chosen.runs_natively()
