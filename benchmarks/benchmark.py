@@ -1,12 +1,16 @@
-"""Times every deltajax implementation, and fla when importable, on the same inputs.
+"""Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
-    python benchmarks/benchmark.py [--shapes 4,4096,16,128 ...] [--reps 20]
-        [--impls scan chunked pallas] [--out DIR]
+    python benchmarks/benchmark.py [--gate gdn|kda] [--shapes 4,4096,16,128 ...]
+        [--reps 20] [--impls scan chunked pallas] [--out DIR]
 
-For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates:
-forward and forward+backward of each implementation and of fla (timed the
-same way: :func:`median_ms`), and a decoding step timed inside a jitted loop
-of 100 steps. Prints a markdown table with ratios to fla, and writes
+For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates
+(``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
+KDA): forward and forward+backward of each implementation, of jla
+(``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule`` or
+``chunk_kda``), all timed the same way (:func:`median_ms`), the JAX
+backward's temporaries (XLA ``memory_analysis``), and a decoding step timed
+inside a jitted loop of 100 steps. Prints a markdown table with ratios to
+jla and fla, and writes
 ``results.md`` and ``time_vs_t.png`` (time against T, log scale) into
 ``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
 """
@@ -34,14 +38,17 @@ def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def make_inputs(shape, seed=0):
-  """numpy float32 q, k, v ``[B, T, H, D]``, a, b ``[B, T, H]``, do ``[B, T, H, D]``."""
+def make_inputs(shape, seed=0, gate="gdn"):
+  """numpy float32 q, k, v ``[B, T, H, D]``, a ``[B, T, H]`` (``[B, T, H, D]``
+  for KDA), b ``[B, T, H]``, do ``[B, T, H, D]``."""
   bsz, t, h, d = shape
   rng = np.random.default_rng(seed)
   q, k, v, do = (rng.standard_normal((bsz, t, h, d), np.float32)
                  for _ in range(4))
+  q /= np.linalg.norm(q, axis=-1, keepdims=True)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  a = -np.logaddexp(0, rng.standard_normal((bsz, t, h))).astype(np.float32) / 8
+  a_shape = (bsz, t, h, d) if gate == "kda" else (bsz, t, h)
+  a = -np.logaddexp(0, rng.standard_normal(a_shape)).astype(np.float32) / 8
   b = (1 / (1 + np.exp(-rng.standard_normal((bsz, t, h))))).astype(np.float32)
   return q, k, v, a, b, do
 
@@ -70,31 +77,52 @@ def median_ms(fn, reps: int, sync=None, back_to_back: int = 10) -> float:
   return statistics.median(times)
 
 
-def time_jax(impl, inputs, reps):
-  """``(forward ms, forward+backward ms, o)`` for one deltajax implementation."""
+def time_jax(attention, inputs, reps):
+  """``(forward ms, forward+backward ms, o, backward temporaries MiB)`` of
+  ``attention(q, k, v, a, b) -> o``, a JAX function (deltajax or jla)."""
   q, k, v, a, b, do = inputs
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a, b = jnp.asarray(a), jnp.asarray(b)
-  fwd = jax.jit(lambda q, k, v, a, b: deltajax.gated_delta(
-      q, k, v, a, b, impl=impl))
+  fwd = jax.jit(attention)
 
   def loss(q, k, v, a, b):
-    o = deltajax.gated_delta(q, k, v, a, b, impl=impl)
+    o = attention(q, k, v, a, b)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  memory = fwd_bwd.lower(q, k, v, a, b).compile().memory_analysis()
   o = fwd(q, k, v, a, b).block_until_ready()
   t_fwd = median_ms(lambda: fwd(q, k, v, a, b), reps)
   t_bwd = median_ms(lambda: fwd_bwd(q, k, v, a, b), reps)
-  return t_fwd, t_bwd, np.asarray(o, np.float32)
+  return (t_fwd, t_bwd, np.asarray(o, np.float32),
+          memory.temp_size_in_bytes / 2 ** 20)
 
 
-def load_fla():
-  """fla's ``chunk_gated_delta_rule`` and torch, or None."""
+def deltajax_attention(impl):
+  return lambda q, k, v, a, b: deltajax.gated_delta(q, k, v, a, b, impl=impl)
+
+
+def load_jla(gate):
+  """jla's attention ``(q, k, v, a, b) -> o`` for the gate, or None."""
+  try:
+    from jla import ops
+  except ImportError as e:
+    log(f"jla not importable ({e}); skipping it")
+    return None
+  kind = "kda" if gate == "kda" else "gated_deltanet"
+  return lambda q, k, v, a, b: ops.linear_attention(
+      kind, q, k, v, g=a, beta=b, scale=q.shape[-1] ** -0.5)[0]
+
+
+def load_fla(gate):
+  """torch and fla's ``chunk_gated_delta_rule`` (``chunk_kda``), or None."""
   try:
     import torch
     import fla.ops.common.chunk_o as fla_chunk_o
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if gate == "kda":
+      from fla.ops.kda import chunk_kda as chunk_gated_delta_rule
+    else:
+      from fla.ops.gated_delta_rule import chunk_gated_delta_rule
   except ImportError as e:
     log(f"fla not importable ({e}); skipping it")
     return None
@@ -124,12 +152,17 @@ def time_fla(fla, inputs, reps):
   with torch.no_grad():
     o = fwd().float().cpu().numpy()
     t_fwd = median_ms(fwd, reps, sync)
-  return t_fwd, median_ms(fwd_bwd, reps, sync), o
+  torch.cuda.reset_peak_memory_stats()
+  before = torch.cuda.memory_allocated()
+  fwd_bwd()
+  torch.cuda.synchronize()
+  memory = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+  return t_fwd, median_ms(fwd_bwd, reps, sync), o, memory
 
 
-def time_decode_step(bsz=4, h=16, d=128, steps=100):
+def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn"):
   """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop."""
-  q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1)
+  q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   a, b = jnp.asarray(a), jnp.asarray(b)
 
@@ -162,8 +195,9 @@ def implementations_for(shape, only=None):
   return [i for i in impls if only is None or i in only]
 
 
-def run(shapes, reps, only=None, on_shape=lambda rows: None):
-  """Returns rows ``{shape, impl, fwd, fwd_bwd, err}``.
+def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
+        peers=("jla", "fla")):
+  """Returns rows ``{shape, impl, fwd, fwd_bwd, err, mem}``.
 
   ``err`` is the relative RMS difference of the output from chunked's (from
   the first implementation timed when ``only`` leaves chunked out).
@@ -171,38 +205,46 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None):
   ``on_shape(rows)`` is called after each shape, so partial results survive a
   time limit.
   """
-  fla = load_fla()
+  fla = load_fla(gate) if "fla" in peers else None
+  jla = load_jla(gate) if "jla" in peers else None
   rows = []
   for shape in shapes:
-    inputs = make_inputs(shape)
+    inputs = make_inputs(shape, gate=gate)
     results = {}
     for impl in implementations_for(shape, only):
       log(f"{shape} {impl} ...")
-      results[impl] = time_jax(impl, inputs, reps)
+      results[impl] = time_jax(deltajax_attention(impl), inputs, reps)
+    if jla is not None:
+      log(f"{shape} jla ...")
+      results["jla"] = time_jax(jla, inputs, reps)
     if fla is not None:
       log(f"{shape} fla ...")
       results["fla"] = time_fla(fla, inputs, reps)
     ref = results.get("chunked", next(iter(results.values())))[2]
-    for impl, (t_fwd, t_bwd, o) in results.items():
+    for impl, (t_fwd, t_bwd, o, mem) in results.items():
       rows.append(dict(shape=shape, impl=impl, fwd=t_fwd, fwd_bwd=t_bwd,
-                       err=rel_rms(o, ref)))
+                       err=rel_rms(o, ref), mem=mem))
       log(f"  {impl:8s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_bwd:8.3f} ms")
     on_shape(rows)
   return rows
 
 
 def table(rows) -> str:
-  fla = {r["shape"]: r for r in rows if r["impl"] == "fla"}
-  lines = ["| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd / fla | "
-           "fwd+bwd / fla | o rel. RMS vs chunked |",
-           "|---|---|---|---|---|---|---|"]
+  peers = {p: {r["shape"]: r for r in rows if r["impl"] == p}
+           for p in ("jla", "fla")}
+  lines = ["| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd / jla | "
+           "fwd+bwd / jla | fwd / fla | fwd+bwd / fla | o rel. RMS vs chunked "
+           "| bwd temp MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    f = fla.get(r["shape"])
-    ratio = lambda key: f"{r[key] / f[key]:.2f}" if f else "-"
+    def ratio(peer, key):
+      f = peers[peer].get(r["shape"])
+      return f"{r[key] / f[key]:.2f}" if f else "-"
     lines.append(
         f"| {', '.join(map(str, r['shape']))} | {r['impl']} | {r['fwd']:.3f} "
-        f"| {r['fwd_bwd']:.3f} | {ratio('fwd')} | {ratio('fwd_bwd')} | "
-        f"{r['err']:.1e} |")
+        f"| {r['fwd_bwd']:.3f} | {ratio('jla', 'fwd')} | "
+        f"{ratio('jla', 'fwd_bwd')} | {ratio('fla', 'fwd')} | "
+        f"{ratio('fla', 'fwd_bwd')} | {r['err']:.1e} | {r['mem']:.0f} |")
   return "\n".join(lines)
 
 
@@ -214,7 +256,7 @@ def read_table(path):
   with open(path) as f:
     for line in f:
       cells = [c.strip() for c in line.strip().strip("|").split("|")]
-      if len(cells) == 7 and cells[0][:1].isdigit():
+      if len(cells) in (7, 10) and cells[0][:1].isdigit():
         shape = tuple(int(x) for x in cells[0].split(","))
         rows.setdefault((shape, cells[1]), dict(
             shape=shape, impl=cells[1], fwd=float(cells[2]),
@@ -246,6 +288,9 @@ def main():
   parser.add_argument("--shapes", nargs="*", default=None,
                       help="B,T,H,D entries (default: the issue's list)")
   parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+  parser.add_argument("--peers", nargs="*", default=("jla", "fla"),
+                      help="other libraries to time when importable")
   parser.add_argument("--impls", nargs="*", default=None,
                       help="deltajax implementations to time (default: all)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -267,10 +312,11 @@ def main():
     plot(rows, os.path.join(args.out, "time_vs_t.png"))
 
   rows = run(shapes, args.reps, args.impls,
-             on_shape=lambda rows: write(rows, table(rows)))
-  decode_us = time_decode_step()
-  text = (f"{table(rows)}\n\nDecoding step (B=4, H=16, D=128, jitted loop of "
-          f"100 steps): {decode_us:.1f} us/step")
+             on_shape=lambda rows: write(rows, table(rows)), gate=args.gate,
+             peers=args.peers)
+  decode_us = time_decode_step(gate=args.gate)
+  text = (f"gate: {args.gate}\n\n{table(rows)}\n\nDecoding step (B=4, H=16, "
+          f"D=128, jitted loop of 100 steps): {decode_us:.1f} us/step")
   write(rows, text)
   print(text)
 

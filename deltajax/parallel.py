@@ -39,7 +39,8 @@ from deltajax import common
 
 def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
                         head_axis=None, scale=None, initial_state=None,
-                        return_final_state=False, impl="auto", chunk_size=64):
+                        return_final_state=False, segment_ids=None,
+                        impl="auto", chunk_size=64):
   """:func:`deltajax.gated_delta` with B and/or H split over axes of ``mesh``.
 
   Each device runs its slice with no communication.
@@ -50,23 +51,23 @@ def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
     mesh: a ``jax.sharding.Mesh``.
     batch_axis, head_axis: mesh axis names that split B and H (None: not
       split); B and H must be divisible by their sizes.
-    scale, return_final_state, impl, chunk_size: as for
+    scale, return_final_state, segment_ids, impl, chunk_size: as for
       :func:`deltajax.gated_delta`.
 
   Returns:
-    ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, sharded like the inputs.
+    ``o`` ``[B, T, HV, V]`` or ``(o, final_state)``, sharded like the inputs.
   """
   o, final_state = _across_devices(
-      q, k, v, a, b, initial_state, mesh=mesh, batch_axis=batch_axis,
-      seq_axis=None, head_axis=head_axis, scale=scale, impl=impl,
-      chunk_size=chunk_size)
+      q, k, v, a, b, initial_state, segment_ids, mesh=mesh,
+      batch_axis=batch_axis, seq_axis=None, head_axis=head_axis, scale=scale,
+      impl=impl, chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
 
 
 def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
                                   scale=None, initial_state=None,
-                                  return_final_state=False, impl="auto",
-                                  chunk_size=64, batch_axis=None,
+                                  return_final_state=False, segment_ids=None,
+                                  impl="auto", chunk_size=64, batch_axis=None,
                                   head_axis=None):
   """:func:`deltajax.gated_delta` with T split across the devices of a mesh axis.
 
@@ -85,26 +86,30 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
       ``[B, T, H, ...]`` form (``a`` of q's shape is KDA's per-channel gate).
     mesh: a ``jax.sharding.Mesh``.
     axis_name: the mesh axis that splits T.
-    scale, return_final_state, impl, chunk_size: as for
-      :func:`deltajax.gated_delta`.
+    scale, return_final_state, segment_ids, impl, chunk_size: as for
+      :func:`deltajax.gated_delta` (packed documents by ``segment_ids``; a
+      document may span devices). ``cu_seqlens`` is not supported here:
+      pass its documents as ``segment_ids`` of one row.
     batch_axis, head_axis: optional further mesh axes that split B and H.
 
   Returns:
-    ``o`` ``[B, T, H, V]`` or ``(o, final_state)``, as
+    ``o`` ``[B, T, HV, V]`` or ``(o, final_state)``, as
     :func:`deltajax.gated_delta` returns them.
   """
   o, final_state = _across_devices(
-      q, k, v, a, b, initial_state, mesh=mesh, batch_axis=batch_axis,
-      seq_axis=axis_name, head_axis=head_axis, scale=scale, impl=impl,
-      chunk_size=chunk_size)
+      q, k, v, a, b, initial_state, segment_ids, mesh=mesh,
+      batch_axis=batch_axis, seq_axis=axis_name, head_axis=head_axis,
+      scale=scale, impl=impl, chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
 
 
-def _across_devices(q, k, v, a, b, initial_state, *, mesh, batch_axis,
-                    seq_axis, head_axis, **options):
+def _across_devices(q, k, v, a, b, initial_state, segment_ids, *, mesh,
+                    batch_axis, seq_axis, head_axis, **options):
   """Checks the global inputs, then runs :func:`_shard_mapped`."""
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
-  _check_inputs(q, k, v, a, b, initial_state, options)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+  _check_inputs(q, k, v, a, b, initial_state, segment_ids, options)
   _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis,
               axis_name=seq_axis)
   if seq_axis is not None and q.shape[1] % mesh.shape[seq_axis]:
@@ -114,17 +119,18 @@ def _across_devices(q, k, v, a, b, initial_state, *, mesh, batch_axis,
         f"with tokens a = 0, b = 0 (they leave the state unchanged) and drop "
         f"their outputs.")
   return _shard_mapped(q, k, v, a, b, _initial_state(q, k, v, initial_state),
-                       mesh=mesh, batch_axis=batch_axis, seq_axis=seq_axis,
+                       segment_ids, mesh=mesh, batch_axis=batch_axis, seq_axis=seq_axis,
                        head_axis=head_axis, **options)
 
 
-def _check_inputs(q, k, v, a, b, initial_state, options) -> None:
+def _check_inputs(q, k, v, a, b, initial_state, segment_ids, options) -> None:
   """Raises :func:`deltajax.gated_delta`'s errors for the global shapes."""
   shapes = [None if x is None else jax.ShapeDtypeStruct(jnp.shape(x),
                                                         jnp.result_type(x))
-            for x in (q, k, v, a, b, initial_state)]
+            for x in (q, k, v, a, b, initial_state, segment_ids)]
   jax.eval_shape(
-      lambda *x: api.gated_delta(*x[:5], initial_state=x[5], **options),
+      lambda *x: api.gated_delta(*x[:5], initial_state=x[5],
+                                 segment_ids=x[6], **options),
       *shapes)
   if q.ndim != 4:
     raise ValueError(f"across devices, q, k must have shape [B, T, H, K]; got "
@@ -149,19 +155,19 @@ def _check_axes(q, mesh, **axes) -> None:
 
 
 def _initial_state(q, k, v, initial_state):
-  """``initial_state`` in the compute dtype, zeros ``[B, H, K, V]`` when None."""
+  """``initial_state`` in the compute dtype, zeros ``[B, HV, K, V]`` when None."""
   dtype = common.compute_dtype(q, k, v)
   if initial_state is None:
-    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), dtype)
+    return jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), dtype)
   return jnp.asarray(initial_state).astype(dtype)
 
 
 def _specs(a, *, batch_axis, seq_axis, head_axis):
-  """PartitionSpecs of ``(q, k, v, a, b, state)``."""
+  """PartitionSpecs of ``(q, k, v, a, b, state, segment_ids)``."""
   x = P(batch_axis, seq_axis, head_axis, None)
   gate = x if a.ndim == 4 else P(batch_axis, seq_axis, head_axis)
   return (x, x, x, gate, P(batch_axis, seq_axis, head_axis),
-          P(batch_axis, head_axis, None, None))
+          P(batch_axis, head_axis, None, None), P(batch_axis, seq_axis))
 
 
 def _reshard(xs, mesh, specs):
@@ -175,7 +181,7 @@ def _reshard(xs, mesh, specs):
   if not explicit:
     return xs
   return tuple(
-      jax.reshard(x, NamedSharding(
+      x if x is None else jax.reshard(x, NamedSharding(
           mesh, P(*(axis if axis in explicit else None for axis in spec))))
       for x, spec in zip(xs, specs))
 
@@ -183,33 +189,47 @@ def _reshard(xs, mesh, specs):
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "batch_axis", "seq_axis", "head_axis", "scale", "impl",
     "chunk_size"))
-def _shard_mapped(q, k, v, a, b, initial_state, *, mesh, batch_axis, seq_axis,
-                  head_axis, scale, impl, chunk_size):
+def _shard_mapped(q, k, v, a, b, initial_state, segment_ids, *, mesh,
+                  batch_axis, seq_axis, head_axis, scale, impl, chunk_size):
   """shard_map of gated_delta, or of :func:`_segment` when T is split."""
   options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
   if seq_axis is None:
-    per_device = lambda q, k, v, a, b, s: api.gated_delta(
-        q, k, v, a, b, initial_state=s, return_final_state=True, **options)
+    per_device = lambda q, k, v, a, b, s, ids: api.gated_delta(
+        q, k, v, a, b, initial_state=s, segment_ids=ids,
+        return_final_state=True, **options)
   else:
     per_device = functools.partial(_segment, axis_name=seq_axis, **options)
   specs = _specs(a, batch_axis=batch_axis, seq_axis=seq_axis,
                  head_axis=head_axis)
+  if segment_ids is None:
+    specs = (*specs[:6], None)
   # check_vma=True would need every pallas_call output to declare the mesh
   # axes it varies over; the tests compare the gradients of the unchecked
   # mode with the single-device ones.
   return jax.shard_map(
       per_device, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
-      check_vma=False)(*_reshard((q, k, v, a, b, initial_state), mesh, specs))
+      check_vma=False)(*_reshard((q, k, v, a, b, initial_state, segment_ids),
+                                 mesh, specs))
 
 
-def _segment(q, k, v, a, b, initial_state, *, axis_name, scale, impl,
-             chunk_size):
+def _segment(q, k, v, a, b, initial_state, segment_ids, *, axis_name, scale,
+             impl, chunk_size):
   """One device's segment: local shapes ``[B, T/D, H, ...]``.
 
-  Returns ``o`` ``[B, T/D, H, V]`` and the final state ``[B, H, K, V]`` of
-  the whole sequence, which the last device computes.
+  Returns ``o`` ``[B, T/D, HV, V]`` and the final state ``[B, HV, K, V]`` of
+  the whole sequence, which the last device computes. With ``segment_ids``,
+  a document that starts at this device's first token cuts the state that
+  enters it: the segment's map from its entry state is then zero.
   """
-  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, scale=scale, impl=impl,
+  carries = None
+  if segment_ids is not None:
+    previous_last = lax.ppermute(
+        segment_ids[:, -1], axis_name,
+        [(i, i + 1) for i in range(lax.axis_size(axis_name) - 1)])
+    carries = ((lax.axis_index(axis_name) == 0)
+               | (previous_last == segment_ids[:, 0]))
+  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, segment_ids, carries,
+                                        scale=scale, impl=impl,
                                         chunk_size=chunk_size)
   s_in = _segment_initial_state(f, g, initial_state, axis_name)
   o = o_zero + jnp.einsum("bthk,bhkv->bthv", p, s_in)
@@ -218,25 +238,31 @@ def _segment(q, k, v, a, b, initial_state, *, axis_name, scale, impl,
   return o.astype(v.dtype), final_state
 
 
-def _segment_affine_map(q, k, v, a, b, *, scale, impl, chunk_size):
+def _segment_affine_map(q, k, v, a, b, segment_ids, carries, *, scale, impl,
+                        chunk_size):
   """The segment as an affine function of its initial state ``S_in``.
 
-  Returns ``(o_zero, p, f, g)``: ``[B, T, H, V]``, ``[B, T, H, K]`` in v's
-  dtype, ``[B, H, K, K]``, ``[B, H, K, V]`` in the compute dtype, with
+  ``carries`` (``[B]`` bool or None) says whether ``S_in`` enters each row
+  (False: a document starts at the segment's first token).
+
+  Returns ``(o_zero, p, f, g)``: ``[B, T, HV, V]``, ``[B, T, HV, K]`` in v's
+  dtype, ``[B, HV, K, K]``, ``[B, HV, K, V]`` in the compute dtype, with
   outputs ``o_zero + p S_in`` and final state ``f S_in + g``.
   """
   dtype = common.compute_dtype(q, k, v)
-  bsz, t, h, dk = q.shape
-  dv = v.shape[-1]
+  bsz, t, hv, dv = v.shape
+  dk = q.shape[-1]
   # The extra value columns are zeros, in v's dtype: 16-bit inputs keep the
   # 16-bit kernels.
-  v_aug = jnp.concatenate([v, jnp.zeros((bsz, t, h, dk), v.dtype)], axis=-1)
-  identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, h, dk, dk))
-  s_aug = jnp.concatenate([jnp.zeros((bsz, h, dk, dv), dtype), identity],
+  v_aug = jnp.concatenate([v, jnp.zeros((bsz, t, hv, dk), v.dtype)], axis=-1)
+  identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, hv, dk, dk))
+  if carries is not None:
+    identity = identity * carries[:, None, None, None].astype(dtype)
+  s_aug = jnp.concatenate([jnp.zeros((bsz, hv, dk, dv), dtype), identity],
                           axis=-1)
   o, s = api.gated_delta(q, k, v_aug, a, b, scale=scale, initial_state=s_aug,
-                         return_final_state=True, impl=impl,
-                         chunk_size=chunk_size)
+                         return_final_state=True, segment_ids=segment_ids,
+                         impl=impl, chunk_size=chunk_size)
   return o[..., :dv], o[..., dv:], s[..., dv:], s[..., :dv]
 
 

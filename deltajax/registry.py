@@ -109,7 +109,7 @@ REGISTRY = {
         chunk_sizes=CHUNK_SIZES),
     "pallas": Implementation(
         "pallas", pallas.gated_delta_pallas, gates=("head",),
-        chunk_sizes=(16, 32, 64), packed=False, grouped=False, native=("gpu",),
+        chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY),
 }
 

@@ -125,6 +125,42 @@ def check_sequence_parallel_variants():
        errors=relative_errors([o], [o_want]))
 
 
+def check_sequence_parallel_features():
+  """Packed documents (one starting exactly at a device boundary, one
+  spanning devices) and grouped value heads, against the plain call."""
+  x = inputs(20)
+  ids = np.zeros((2, 96), np.int32)
+  ids[0, 24:] = 1  # starts at device 2's first token of 8 (12 tokens each)
+  ids[0, 50:] = 2  # spans devices 4-7
+  ids[1, 5:] = 3
+  ids[1, 37:] = 4
+  mesh = mesh_of((8,), ("sp",))
+  for impl in ("scan", "chunked"):
+    options = dict(impl=impl, chunk_size=8, segment_ids=ids)
+    want = values_and_grads(
+        lambda *a, **kw: deltajax.gated_delta(*a, **kw, **options), x)
+    got = values_and_grads(
+        lambda *a, **kw: parallel.gated_delta_sequence_parallel(
+            *a, **kw, mesh=mesh, axis_name="sp", **options), x)
+    emit("sequence", f"segments-{impl}", devices=8,
+         errors=relative_errors(got, want))
+  rng = np.random.default_rng(21)
+  grouped = dict(x, v=rng.normal(size=(2, 96, 4, 12)).astype(np.float32),
+                 a=x["a"].repeat(2, axis=2), b=x["b"].repeat(2, axis=2),
+                 initial_state=rng.normal(size=(2, 4, 8, 12)).astype(
+                     np.float32),
+                 d_o=rng.normal(size=(2, 96, 4, 12)).astype(np.float32),
+                 d_final=rng.normal(size=(2, 4, 8, 12)).astype(np.float32))
+  want = values_and_grads(
+      lambda *a, **kw: deltajax.gated_delta(*a, **kw, chunk_size=8), grouped)
+  got = values_and_grads(
+      lambda *a, **kw: parallel.gated_delta_sequence_parallel(
+          *a, **kw, mesh=mesh_of((4, 2), ("sp", "heads")), axis_name="sp",
+          head_axis="heads", chunk_size=8), grouped)
+  emit("sequence", "grouped-heads", devices=8,
+       errors=relative_errors(got, want))
+
+
 def check_errors():
   x = inputs(0, t=90)
   mesh = mesh_of((8,), ("sp",))
@@ -248,6 +284,7 @@ def main():
   assert jax.device_count() == 8, jax.devices()
   check_sequence_parallel()
   check_sequence_parallel_variants()
+  check_sequence_parallel_features()
   check_errors()
   check_batch_head_sharding()
   check_sharded_wrapper()

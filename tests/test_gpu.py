@@ -1,8 +1,10 @@
-"""GPU checks of impl="pallas" (run on the H200 with ``python -m pytest -m gpu tests``).
+"""GPU checks (run on the H200 with ``python -m pytest -m gpu tests``).
 
-bf16 inputs, float32 initial state, against the float64 chunked reference on
-the same device and the same (bf16-rounded) values, with fla's tolerances
-(relative RMS error).
+16-bit inputs, float32 gates and initial state, against the float64 chunked
+reference on the same device and the same (rounded) values, with fla's
+tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
+dims; impl="auto" (what a user gets) on grouped value heads, packed
+sequences, fla's GDN test grid and fla's KDA test shapes.
 """
 
 import jax
@@ -12,6 +14,7 @@ import pytest
 
 import deltajax
 from deltajax import pallas
+import utils
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,22 +28,21 @@ TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, dh0=0.008,
                   da=0.02, db=0.02)
 
 
-def _inputs(t, d, seed, bsz=2, h=2):
-  rng = np.random.default_rng(seed)
-  q, k, v = (rng.standard_normal((bsz, t, h, d)) for _ in range(3))
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  a = -np.logaddexp(0, rng.standard_normal((bsz, t, h))) / 4
-  b = 1 / (1 + np.exp(-rng.standard_normal((bsz, t, h))))
-  s0 = rng.standard_normal((bsz, h, d, d)) * 0.1
-  d_o = rng.standard_normal((bsz, t, h, d))
-  d_s = rng.standard_normal((bsz, h, d, d)) * 0.1
-  return (q, k, v, a, b, s0), (d_o, d_s)
+def _inputs(t, d, seed, bsz=2, h=2, hv=None, per_channel=False, gate_div=4.0,
+            states=None, nonnegative_qk=False, beta_one=False):
+  """float64 numpy ``(q, k, v, a, b, s0)`` and cotangents ``(d_o, d_s)``."""
+  x = utils.random_inputs(seed, batch=bsz, length=t, heads=h, key_dim=d,
+                          value_dim=d, per_channel=per_channel,
+                          gate_scale=1 / gate_div, state_scale=0.1,
+                          value_heads=hv, states=states,
+                          nonnegative_qk=nonnegative_qk, beta_one=beta_one)
+  return tuple(x), utils.random_cotangents(seed + 1, x)
 
 
-def _run(impl, args, cotangents):
+def _run(impl, args, cotangents, **options):
   def f(q, k, v, a, b, s0):
     return deltajax.gated_delta(q, k, v, a, b, initial_state=s0, impl=impl,
-                                return_final_state=True)
+                                return_final_state=True, **options)
   (o, s), vjp = jax.vjp(f, *args)
   grads = vjp(tuple(jnp.asarray(c, x.dtype) for c, x in zip(cotangents,
                                                               (o, s))))
@@ -49,19 +51,80 @@ def _run(impl, args, cotangents):
   return {n: np.asarray(x, np.float64) for n, x in out.items()}
 
 
+def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
+  with jax.enable_x64(True):
+    low = tuple(jnp.asarray(x, dtype) for x in args[:3]) + tuple(
+        jnp.asarray(x, jnp.float32) for x in args[3:])
+    # The reference sees the same rounded values, in float64.
+    ref = _run("chunked", tuple(jnp.asarray(x, jnp.float64) for x in low), cts,
+               **options)
+    got = _run(impl, low, cts, **options)
+  errors = {n: np.linalg.norm(got[n] - ref[n]) / max(np.linalg.norm(ref[n]),
+                                                      1e-30)
+            for n in TOLERANCES}
+  print(f"{label}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items()))
+  for n, tol in TOLERANCES.items():
+    assert np.all(np.isfinite(got[n])), n
+    if np.linalg.norm(ref[n]) > 1e-12:  # da of a zeroed gate half, say
+      assert errors[n] <= tol, (n, errors[n])
+
+
 @pytest.mark.parametrize("t,d", [(1, 64), (63, 100), (64, 128), (1000, 256),
                                  (4096, 128), (1000, 64)])
 def test_pallas_bf16_matches_float64_reference(t, d):
-  with jax.enable_x64(True):
-    args, cts = _inputs(t, d, seed=t * 1000 + d)
-    low = tuple(jnp.asarray(x, jnp.bfloat16) for x in args[:3]) + tuple(
-        jnp.asarray(x, jnp.float32) for x in args[3:])
-    # The reference sees the same (bf16-rounded) values, in float64.
-    ref = _run("chunked", tuple(jnp.asarray(x, jnp.float64) for x in low), cts)
-    got = _run("pallas", low, cts)
-  errors = {n: np.linalg.norm(got[n] - ref[n]) / np.linalg.norm(ref[n])
-            for n in TOLERANCES}
-  print(f"T={t} D={d}: " + " ".join(f"{n}={e:.1e}" for n, e in errors.items()))
-  for n, tol in TOLERANCES.items():
-    assert np.all(np.isfinite(got[n])), n
-    assert errors[n] <= tol, (n, errors[n])
+  args, cts = _inputs(t, d, seed=t * 1000 + d)
+  _check("pallas", args, cts, label=f"pallas T={t} D={d}")
+
+
+@pytest.mark.parametrize("h,hv", [(2, 4), (4, 8)])
+def test_auto_grouped_value_heads(h, hv):
+  args, cts = _inputs(1000, 128, seed=hv, h=h, hv=hv)
+  _check("auto", args, cts, label=f"auto GVA {h}/{hv}")
+
+
+@pytest.mark.parametrize("cu", [[0, 15, 100, 300, 1200, 2000],
+                                [0, 122, 229, 400, 1000]], ids=str)
+def test_auto_cu_seqlens(cu):
+  args, cts = _inputs(cu[-1], 64, seed=len(cu), bsz=1, states=len(cu) - 1)
+  _check("auto", args, cts, label=f"auto cu_seqlens {cu}",
+         cu_seqlens=jnp.asarray(cu))
+
+
+def test_auto_segment_ids():
+  ids = np.repeat(np.arange(6), [100, 1, 300, 99, 500, 24])[None].repeat(2, 0)
+  args, cts = _inputs(1024, 128, seed=7)
+  _check("auto", args, cts, label="auto segment_ids",
+         segment_ids=jnp.asarray(ids))
+
+
+# fla's GDN grid (T, D, gate divisor, scale, half the gates zeroed), fp16,
+# beta = 1, through impl="auto".
+GDN_GRID = [(t, d, (0.1, 1, 10)[i % 3], (1.0, 0.1)[i % 2], i % 4 < 2)
+            for i, (t, d) in enumerate((t, d) for t in (1, 15, 63, 300)
+                                       for d in (32, 64, 100, 256))]
+
+
+@pytest.mark.parametrize("t,d,div,scale,half_zero", GDN_GRID)
+def test_auto_fla_gdn_grid(t, d, div, scale, half_zero):
+  args, cts = _inputs(t, d, seed=t * 7 + d, gate_div=div, beta_one=True)
+  if half_zero:
+    a = args[3].copy()
+    a[:, :, : a.shape[2] // 2] = 0
+    args = (*args[:3], a, *args[4:])
+  _check("auto", args, cts, dtype=jnp.float16, scale=scale,
+         label=f"auto GDN T={t} D={d} /{div} scale={scale} half0={half_zero}")
+
+
+# fla's KDA shapes, q and k non-negative then L2-normalised, gates
+# logsigmoid(N(0, 1)) / n, an initial state, through impl="auto".
+KDA_SHAPES = [((1, 63, 1, 64), 0.1), ((2, 500, 3, 60), 1), ((2, 1000, 3, 64), 10),
+              ((3, 1024, 4, 100), 0.1), ((4, 1024, 4, 128), 1),
+              ((2, 1500, 4, 128), 10), ((4, 2048, 8, 64), 1)]
+
+
+@pytest.mark.parametrize("shape,div", KDA_SHAPES, ids=str)
+def test_auto_fla_kda_shapes(shape, div):
+  bsz, t, h, d = shape
+  args, cts = _inputs(t, d, seed=t + d, bsz=bsz, h=h, per_channel=True,
+                      gate_div=div, nonnegative_qk=True)
+  _check("auto", args, cts, label=f"auto KDA {shape} /{div}")

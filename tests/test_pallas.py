@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import deltajax
+from deltajax import registry
 from deltajax import pallas
+from deltajax.pallas import core
 from deltajax.pallas import ops
 from deltajax.pallas import ut
 
@@ -84,7 +86,8 @@ def _block_inverse(a):
   """``(I + a)^-1`` from :func:`ut.inverse_blocks`, as one numpy matrix."""
   n = a.shape[0] // 16
   blocks = ut.inverse_blocks(
-      lambda i, j: jnp.asarray(a[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)]), n)
+      lambda i, j: jnp.asarray(a[16 * i:16 * (i + 1), 16 * j:16 * (j + 1)]), n,
+      core.Dot(interpret=True))
   return np.block([[np.asarray(blocks[i, j]) if j <= i else np.zeros((16, 16))
                     for j in range(n)] for i in range(n)])
 
@@ -123,7 +126,7 @@ def test_pallas_mixed_input_dtypes():
   args, cts = _inputs((1, 40, 1, 16, 16), seed=11)
   dtypes = (jnp.bfloat16, jnp.bfloat16) + (jnp.float32,) * 4
   args = tuple(jnp.asarray(x, d) for x, d in zip(args, dtypes))
-  q, k, v, *_ = ops._padded(*args[:3], args[5])  # pylint: disable=protected-access
+  q, k, v = ops._padded(*args[:3])  # pylint: disable=protected-access
   assert q.dtype == k.dtype == v.dtype == jnp.float32
   got, got_grads = _value_and_grads("pallas", args, cts, 16)
   ref, ref_grads = _value_and_grads("chunked", args, cts, 16)
@@ -137,13 +140,187 @@ def test_pallas_mixed_input_dtypes():
 def test_pallas_rejects_per_channel_gate_and_small_chunks():
   args, _ = _inputs((1, 16, 1, 16, 16), seed=1)
   q, k, v, a, b, _ = (jnp.asarray(x, jnp.float32) for x in args)
-  with pytest.raises(NotImplementedError, match="per-channel"):
+  with pytest.raises(ValueError, match="impl='pallas' cannot run this call: "
+                     "it has no 'channel' gate"):
     deltajax.kda(q, k, v, jnp.broadcast_to(a[..., None], q.shape), b,
                  impl="pallas")
-  with pytest.raises(ValueError, match="chunk_size >= 16"):
+  with pytest.raises(ValueError, match=r"chunk_size must be one of \(16, 32"):
     deltajax.gated_delta(q, k, v, a, b, impl="pallas", chunk_size=8)
 
 
-def test_auto_is_chunked_without_gpu():
-  assert deltajax.api._implementation("auto", per_channel=False) is (
-      deltajax.chunked.gated_delta_chunked)
+def test_auto_is_not_pallas_without_gpu():
+  for gate in registry.GATES:
+    assert registry.select("auto", gate=gate, length=4096, chunk_size=64,
+                           packed=False, grouped=False).name != "pallas"
+
+
+# The implementation contract, called directly: GVA, cuts, packed sequences.
+
+
+def _reference(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
+               chunk_size):
+  """The definition, token by token in jnp (float64): per token, if cut,
+  S = 0; S = S e^a; S = S + k (b (v - S^T k))^T; o = S^T (scale q). Value
+  head j reads q/k head j // G; the sequences of ``chunk_seq`` (numpy) run
+  one after another, each from its own initial state."""
+  groups = v.shape[2] // q.shape[2]
+  q, k = (jnp.repeat(x, groups, axis=2) for x in (q, k))
+  if cut is None:
+    cut = jnp.zeros(a.shape, bool)
+
+  def run(s, q, k, v, a, b, cut):  # one row: [T, HV, ...], s [HV, K, V]
+    def step(s, x):
+      q, k, v, a, b, cut = x
+      s = jnp.where(cut[:, :, None], 0, s) * jnp.exp(a)[:, :, None]
+      residual = b[:, None] * (v - jnp.einsum("hkv,hk->hv", s, k))
+      s = s + k[:, :, None] * residual[:, None, :]
+      return s, jnp.einsum("hk,hkv->hv", scale * q, s)
+    s, o = jax.lax.scan(step, s, (q, k, v, a, b, cut))
+    return o, s
+
+  if chunk_seq is None:
+    return jax.vmap(run)(initial_state, q, k, v, a, b, cut)
+  outputs, finals = [], list(initial_state)
+  starts = [0] + [m for m in range(1, len(chunk_seq))
+                  if chunk_seq[m] != chunk_seq[m - 1]] + [len(chunk_seq)]
+  for lo, hi in zip(starts[:-1], starts[1:]):
+    n, rows = int(chunk_seq[lo]), slice(lo * chunk_size, hi * chunk_size)
+    o, finals[n] = run(initial_state[n],
+                       *(x[0, rows] for x in (q, k, v, a, b, cut)))
+    outputs.append(o)
+  return jnp.concatenate(outputs)[None], jnp.stack(finals)
+
+
+def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
+                     chunk_seq=None, n_seq=None):
+  """float64 inputs of the contract and cotangents. With ``cuts``: in the
+  even value heads, random cuts and one at the first token of chunk 1 (and of
+  chunk 0 in head 0); in the odd ones, at the second and the last token of
+  chunk 0 only. With ``chunk_seq``: each sequence's
+  last chunk ends with padding tokens (a = b = k = 0)."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((bsz, t, h, d))
+  k = rng.standard_normal((bsz, t, h, d))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((bsz, t, hv, d))
+  # Weak gates (mean 0.07 per token), so that the far corners of a chunk of
+  # 64 count.
+  a = -0.1 * np.logaddexp(0, rng.standard_normal((bsz, t, hv, 1)))
+  b = rng.uniform(0.05, 1.5, (bsz, t, hv))
+  n_seq = bsz if n_seq is None else n_seq
+  s0 = 0.5 * rng.standard_normal((n_seq, hv, d, d))
+  cut = None
+  if cuts:
+    cut = rng.uniform(size=(bsz, t, hv, 1)) < 0.1
+    cut[:, :, 1::2] = False  # long uncut spans in the odd heads
+    cut[:, chunk_size, ::2] = True
+    cut[:, 0, 0] = True  # the initial state of head 0 is discarded
+    cut[:, [1, chunk_size - 1], 1::2] = True
+  if chunk_seq is not None:
+    ends = [m for m in range(len(chunk_seq))
+            if m == len(chunk_seq) - 1 or chunk_seq[m + 1] != chunk_seq[m]]
+    for m in ends:  # the last 3 tokens of the sequence are padding
+      pad = slice((m + 1) * chunk_size - 3, (m + 1) * chunk_size)
+      a[:, pad], b[:, pad], k[:, pad] = 0, 0, 0
+    chunk_seq = np.asarray(chunk_seq, np.int32)
+  cts = (rng.standard_normal((bsz, t, hv, d)),
+         rng.standard_normal((n_seq, hv, d, d)))
+  return (q, k, v, a, b, s0), cut, chunk_seq, cts
+
+
+def _jit_vjp(fn, args, cts, cut, chunk_seq):
+  """``(fn(*args, cut, chunk_seq), its VJP of cts)``, under one jax.jit
+  (interpret mode's time is compilation: one is faster than one per kernel)."""
+  def run(args, cts, cut, chunk_seq):
+    out, pull = jax.vjp(lambda *x: fn(*x, cut, chunk_seq), *args)
+    return out, pull(cts)
+  return jax.jit(run)(args, cts, cut, chunk_seq)
+
+
+def _check_contract(args, cut, chunk_seq, cts, chunk_size, tol=1e-10):
+  scale = args[0].shape[-1] ** -0.5
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(x, jnp.float64) for x in args)
+    cts = tuple(jnp.asarray(x, jnp.float64) for x in cts)
+    cut_j = None if cut is None else jnp.asarray(cut)
+    seq_j = None if chunk_seq is None else jnp.asarray(chunk_seq)
+    got, got_grads = _jit_vjp(
+        lambda *x: pallas.gated_delta_pallas(*x, scale=scale,
+                                             chunk_size=chunk_size),
+        args, cts, cut_j, seq_j)
+    ref, ref_grads = _jit_vjp(  # the layout of chunk_seq is static here
+        lambda *x: _reference(*x[:-1], chunk_seq, scale=scale,
+                              chunk_size=chunk_size),
+        args, cts, cut_j, seq_j)
+  for name, x, y in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
+                         "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
+    assert x.shape == y.shape and x.dtype == y.dtype, (name, x.shape, y.shape)
+    err = np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(y))
+    assert err < tol, (name, err)
+  if cut is not None:  # a cut token's gate is irrelevant
+    assert np.all(np.asarray(got_grads[3])[cut] == 0)
+
+
+# (B, T, H, HV, K = V), chunk, cuts: GVA groups of 2, non-power-of-two head
+# dims, every chunk size; the no-cut fast path once with GVA (the tests above
+# run it without).
+CONTRACT = [((2, 48, 2, 4, 20), 16, True), ((1, 64, 1, 2, 48), 32, True),
+            ((1, 128, 2, 4, 20), 64, True), ((1, 64, 1, 2, 48), 32, False)]
+
+
+@pytest.mark.parametrize("shape,chunk_size,cuts", CONTRACT)
+def test_contract_gva_cuts_chunk_sizes(shape, chunk_size, cuts):
+  bsz, t, h, hv, d = shape
+  args, cut, _, cts = _contract_inputs(
+      sum(shape) + chunk_size + cuts, bsz=bsz, t=t, h=h, hv=hv, d=d,
+      chunk_size=chunk_size, cuts=cuts)
+  _check_contract(args, cut, None, cts, chunk_size)
+
+
+@pytest.mark.parametrize("cuts", [False, True])
+def test_contract_packed_sequences(cuts):
+  """Five sequences in seven chunks of 16: one of three chunks, one of one
+  chunk, one without chunks (its state passes through), GVA (1, 2)."""
+  chunk_seq = [0, 0, 0, 1, 3, 3, 4]
+  args, cut, chunk_seq, cts = _contract_inputs(
+      5 + cuts, bsz=1, t=16 * len(chunk_seq), h=1, hv=2, d=20, chunk_size=16,
+      cuts=cuts, chunk_seq=chunk_seq, n_seq=5)
+  _check_contract(args, cut, chunk_seq, cts, 16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("features", ["plain", "gva_cuts_packed"])
+def test_kernels_lower_for_triton(dtype, features):
+  """Every kernel, forward and backward, lowers through Pallas' Triton
+  lowering for CUDA (jax.export on abstract shapes; no GPU needed). This
+  checks the Triton-side rules the interpret-mode tests cannot (block
+  shapes, dot shapes, no value slicing); compiling the Triton IR to PTX
+  happens only on a GPU."""
+  bsz, t, h, hv, d, c = (1, 96, 2, 4, 80, 32) if features != "plain" else (
+      2, 128, 2, 2, 128, 64)
+  f32 = jnp.float32
+  shapes = [((bsz, t, h, d), dtype), ((bsz, t, h, d), dtype),
+            ((bsz, t, hv, d), dtype), ((bsz, t, hv, 1), f32),
+            ((bsz, t, hv), f32), ((3 if features != "plain" else bsz, hv, d,
+                                   d), f32)]
+  args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
+  extra = [None, None]
+  if features != "plain":
+    extra = [jax.ShapeDtypeStruct((bsz, t, hv, 1), jnp.bool_),
+             jax.ShapeDtypeStruct((t // c,), jnp.int32)]
+  config = pallas.KernelConfig(interpret=False)
+
+  def loss(*x):
+    o, final = pallas.gated_delta_pallas(*x[:6], *x[6:], scale=0.1,
+                                         chunk_size=c, config=config)
+    return jnp.sum(o.astype(f32)) + jnp.sum(final)
+
+  fn = jax.value_and_grad(loss, argnums=tuple(range(6)))
+  exported = jax.export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+          "__gpu$xla.gpu.triton")])(*args, *extra)
+  text = exported.mlir_module()
+  for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
+               "output_backward", "state_backward", "ut_backward"):
+    assert f'name = "deltajax_{name}"' in text, name

@@ -25,7 +25,7 @@ def results():
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   run = subprocess.run([sys.executable, str(ROOT / "tests/parallel_checks.py")],
                        cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
+                       timeout=1500, check=False)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   rows = [json.loads(line) for line in run.stdout.splitlines()
           if line.startswith("{")]
@@ -56,7 +56,8 @@ def test_sequence_parallel_matches_single_device(results, devices):
 
 @pytest.mark.parametrize("name", [
     "batch2-seq4", "seq4-head2", "seq4-replicated2", "auto-mesh-seq8",
-    "no-initial-state"])
+    "no-initial-state", "segments-scan", "segments-chunked",
+    "grouped-heads"])
 def test_sequence_parallel_meshes_and_defaults(results, name):
   assert_close(results[("sequence", name)])
 

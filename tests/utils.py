@@ -30,23 +30,30 @@ class Inputs(NamedTuple):
 
 def random_inputs(seed: int, *, batch=2, length=12, heads=2, key_dim=4,
                   value_dim=4, per_channel=False, gate_scale=1.0,
-                  state_scale=0.5, value_heads=None, states=None) -> Inputs:
+                  state_scale=0.5, value_heads=None, states=None,
+                  nonnegative_qk=False, beta_one=False) -> Inputs:
   """Inputs like fla's tests: q, v ~ N(0, 1), k L2-normalised,
   ``b = sigmoid(N(0, 1))``, ``a = gate_scale * logsigmoid(N(0, 1))``.
 
   ``value_heads`` (HV, default H) gives v, a, b and the state grouped value
   heads; ``states`` (default B) the number of initial states (the number of
-  sequences of packed inputs).
+  sequences of packed inputs). ``nonnegative_qk``: q, k uniform in [0, 1)
+  and both L2-normalised (fla's KDA tests: nearly aligned keys);
+  ``beta_one``: b = 1 (fla's GDN tests).
   """
   rng = np.random.default_rng(seed)
   hv = heads if value_heads is None else value_heads
-  q = rng.standard_normal((batch, length, heads, key_dim))
-  k = rng.standard_normal((batch, length, heads, key_dim))
+  draw = rng.uniform if nonnegative_qk else rng.standard_normal
+  q = draw(size=(batch, length, heads, key_dim))
+  k = draw(size=(batch, length, heads, key_dim))
+  if nonnegative_qk:
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   v = rng.standard_normal((batch, length, hv, value_dim))
   gate_shape = (batch, length, hv) + ((key_dim,) if per_channel else ())
   a = -gate_scale * np.logaddexp(0.0, -rng.standard_normal(gate_shape))
-  b = 1.0 / (1.0 + np.exp(-rng.standard_normal((batch, length, hv))))
+  b = (np.ones((batch, length, hv)) if beta_one else
+       1.0 / (1.0 + np.exp(-rng.standard_normal((batch, length, hv)))))
   s0 = state_scale * rng.standard_normal(
       (batch if states is None else states, hv, key_dim, value_dim))
   return Inputs(q, k, v, a, b, s0)

@@ -1,7 +1,10 @@
-"""Shared plumbing for the Pallas kernels: lowering choice, dots, masks, block specs.
+"""Shared plumbing for the Pallas kernels: launch config, lowering, dots, masks, block specs.
 
 Every kernel is lowered through Triton (``pallas.triton.CompilerParams``), or
-run in Pallas interpret mode when no GPU is present (slow; for tests).
+run in Pallas interpret mode when no GPU is present (slow; for tests). Whether
+to interpret is decided once, by :meth:`KernelConfig.resolve` at the entry
+point, and passed down (:class:`Dot`, :func:`call`).
+
 Triton limits shape the kernels: power-of-two loads and stores, 2-D dots with
 every dimension >= 16, no slicing of values (slice refs with ``pl.ds``), no
 scratch buffers, no reverse cumsum.
@@ -9,7 +12,7 @@ scratch buffers, no reverse cumsum.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import warnings
 
 import jax
@@ -20,6 +23,47 @@ from jax.experimental.pallas import triton as pl_triton
 
 SUB = 16  # the smallest block a Triton dot accepts
 MIN_CAPABILITY = (8, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """Launch knobs of one kernel. ``block_v``: V columns per program (or per
+  inner step), None for kernels without one; ``num_stages=None``: chosen from
+  the tile sizes (the forward scan)."""
+  num_warps: int = 4
+  num_stages: int | None = 1
+  block_v: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Every launch knob of impl="pallas", with the defaults tuned on the H200
+  (benchmarks/RESULTS.md, benchmarks/profile_kernels.py).
+
+  ``interpret``: None picks interpret mode exactly when the default backend
+  is not a GPU; :meth:`resolve` fixes it once per call of the entry point.
+  ``precision``: float32 dots on the GPU, "tf32x3" (three TF32 passes, about
+  float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
+  """
+  inverse: Launch = Launch(num_warps=1, num_stages=1)
+  forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
+  output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
+  w_u: Launch = Launch(num_warps=4, num_stages=1)
+  output_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
+  ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  interpret: bool | None = None
+  precision: str = "tf32x3"
+
+  def resolve(self) -> KernelConfig:
+    """This config with ``interpret`` decided (raises on a GPU too old)."""
+    if self.interpret is not None:
+      return self
+    return dataclasses.replace(self, interpret=interpret_mode())
+
+  @property
+  def dot(self) -> Dot:
+    return Dot(interpret=bool(self.interpret), precision=self.precision)
 
 
 def padded_dim(d: int) -> int:
@@ -51,26 +95,44 @@ def interpret_mode() -> bool:
   return False
 
 
-def call(kernel, *, grid, in_specs, out_specs, out_shape, num_warps=4,
-         num_stages=2, name=None):
-  """``pl.pallas_call`` lowered through Triton (interpret mode without a GPU)."""
-  interpret = interpret_mode()
+def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
+         name: str, **static):
+  """``pl.pallas_call`` through Triton (or interpreted), with named refs.
+
+  Args:
+    kernel: called as ``kernel(**refs, **static)``, one keyword per input and
+      output; an input given as None arrives as None (an optional input: the
+      kernel takes its static fast path).
+    inputs: ``{name: (array or None, BlockSpec)}``.
+    outputs: ``{name: (ShapeDtypeStruct, BlockSpec)}``.
+
+  Returns:
+    the outputs, in the order of ``outputs`` (a tuple when there are several).
+  """
+  present = [n for n, (x, _) in inputs.items() if x is not None]
+  absent = {n: None for n, (x, _) in inputs.items() if x is None}
+  out_names = list(outputs)
+
+  def body(*refs):
+    kernel(**dict(zip(present + out_names, refs)), **absent, **static)
+
+  single = len(out_names) == 1
+  out_specs = [outputs[n][1] for n in out_names]
+  out_shape = [outputs[n][0] for n in out_names]
   fn = pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=interpret, name=name,
+      body, grid=grid, in_specs=[inputs[n][1] for n in present],
+      out_specs=out_specs[0] if single else out_specs,
+      out_shape=out_shape[0] if single else out_shape,
+      interpret=interpret, name=name,
       compiler_params=None if interpret else pl_triton.CompilerParams(
-          num_warps=num_warps, num_stages=num_stages))
-
-  @functools.wraps(fn)
-  def run(*args):
-    with warnings.catch_warnings():
-      # JAX 0.11 deprecates the Triton lowering of pallas_call in favour of
-      # Mosaic GPU; deltajax asks for it explicitly.
-      warnings.filterwarnings("ignore", category=DeprecationWarning,
-                              message=".*[Tt]riton.*")
-      return fn(*args)
-
-  return run
+          num_warps=launch.num_warps, num_stages=launch.num_stages))
+  with warnings.catch_warnings():
+    # JAX 0.11 deprecates the Triton lowering of pallas_call in favour of
+    # Mosaic GPU; deltajax asks for it explicitly.
+    warnings.filterwarnings("ignore", category=DeprecationWarning,
+                            message=".*[Tt]riton.*")
+    result = fn(*[inputs[n][0] for n in present])
+  return result if single else tuple(result)
 
 
 def block(*shape):
@@ -81,28 +143,36 @@ def block(*shape):
   return spec
 
 
+def qk_head(j, groups: int):
+  """The q/k head that value head ``j`` reads (GVA: ``j // groups``)."""
+  return j if groups == 1 else j // groups
+
+
 def accumulator(dtype):
   """float32, or float64 for float64 inputs."""
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def mm(a, b, *, trans_a=False, trans_b=False, precision="tf32x3"):
-  """2-D matrix product with float32 accumulation (float64 for float64).
+@dataclasses.dataclass(frozen=True)
+class Dot:
+  """2-D matrix products with float32 accumulation (float64 for float64).
 
   16-bit operands use the tensor cores as they are. On the GPU, float32
-  operands use ``precision``: "tf32x3" (three TF32 passes on the tensor
-  cores, about float32 accuracy), "tf32" (one pass, 10-bit mantissas) or
-  "ieee" (plain float32 FMAs). Interpret mode computes exactly.
+  operands use ``precision`` (see :class:`KernelConfig`); in interpret mode
+  every product is computed exactly (``Precision.HIGHEST``).
   """
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  acc = accumulator(a.dtype)
-  algorithm = lax.Precision.HIGHEST
-  if a.dtype == jnp.float32 and not interpret_mode():
-    algorithm = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-                 "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
-                 "ieee": lax.Precision.HIGHEST}[precision]
-  return lax.dot_general(a, b, dims, precision=algorithm,
-                         preferred_element_type=acc)
+  interpret: bool
+  precision: str = "tf32x3"
+
+  def __call__(self, a, b, *, trans_a=False, trans_b=False, precision=None):
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    algorithm = lax.Precision.HIGHEST
+    if a.dtype == jnp.float32 and not self.interpret:
+      algorithm = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                   "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+                   "ieee": lax.Precision.HIGHEST}[precision or self.precision]
+    return lax.dot_general(a, b, dims, precision=algorithm,
+                           preferred_element_type=accumulator(a.dtype))
 
 
 def blocks(size: int, block: int):
@@ -121,12 +191,49 @@ def causal(c: int, *, strict: bool):
   return i > j if strict else i >= j
 
 
-def decay(g_i, g_j, mask):
-  """``exp(g_i - g_j)`` on ``mask``, 0 elsewhere; masked before ``exp`` (GDN seed 4.1)."""
-  return jnp.exp(jnp.where(mask, g_i[:, None] - g_j[None, :], -jnp.inf))
-
-
 def last(x):
   """The last entry of a vector, without slicing a value."""
   return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0))
 
+
+# Masked decays. Within a chunk, g is the cumulative log gate and c the
+# cumulative count of cuts (a cut discards the state carried into its token),
+# both chunk-local; c is None when there are no cuts, and then these are the
+# plain exponentials (no extra work). A decay spanning a cut is 0: the mask is
+# applied to the exponent, before exp (GDN seed 4.1: above the diagonal the
+# difference is positive and can overflow).
+
+
+def decay(g_i, g_j, mask, c_i=None, c_j=None):
+  """``[C_i, C_j]``: ``exp(g_i - g_j)`` on ``mask`` where ``c_i == c_j``, else 0.
+
+  ``mask`` may be a Python bool (True: no causal mask, a block below the
+  diagonal).
+  """
+  if c_i is not None:
+    mask = mask & (c_i[:, None] == c_j[None, :])
+  return jnp.exp(jnp.where(mask, g_i[:, None] - g_j[None, :], -jnp.inf))
+
+
+def from_start(g, c=None):
+  """``[C]``: the decay from the chunk's entry state to each token, ``exp(g)``;
+  0 from the first cut on."""
+  if c is None:
+    return jnp.exp(g)
+  return jnp.exp(jnp.where(c == 0, g, -jnp.inf))
+
+
+def to_end(g, g_end, c=None, c_end=None):
+  """``[C]``: the decay from each token to the chunk's end, ``exp(g_C - g)``;
+  0 for tokens before the chunk's last cut."""
+  if c is None:
+    return jnp.exp(g_end - g)
+  return jnp.exp(jnp.where(c == c_end, g_end - g, -jnp.inf))
+
+
+def over_chunk(g_end, c_end=None):
+  """Scalar: the entry state's decay over the chunk, ``exp(g_C)``; 0 when the
+  chunk has a cut."""
+  if c_end is None:
+    return jnp.exp(g_end)
+  return jnp.where(c_end == 0, jnp.exp(g_end), 0)

@@ -7,7 +7,13 @@ never formed) -> :func:`output.output` (parallel). Backward:
 :func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
 (parallel). The backward keeps the forward's ``T``, ``Delta`` and
 chunk-entry states and recomputes ``W``, ``U``: memory
-``O(T (K + V) + (T / C) K V)`` per head.
+``O(T (K + V) + (T / C) K V)`` per value head.
+
+Every kernel runs over the HV value heads and reads q/k head ``j // G``
+through its index maps (GVA); dq and dk are formed per value head and summed
+over each group here. Cuts and packed sequences (``chunk_seq``) are optional
+inputs that the kernels handle in static branches: without them, the kernels
+do exactly the work of the plain case.
 """
 
 from __future__ import annotations
@@ -24,104 +30,179 @@ from deltajax.pallas import state
 from deltajax.pallas import ut
 
 
-def _gates(a, b, chunk_size, dtype):
-  """``[B, T, H, 1]`` log gate and ``[B, T, H]`` beta -> ``[B, H, T]`` cumulative gate and beta."""
-  bsz, t_len, h, _ = a.shape
-  a = jnp.transpose(a[..., 0], (0, 2, 1)).astype(dtype)
-  g = jnp.cumsum(a.reshape(bsz, h, t_len // chunk_size, chunk_size), axis=-1)
-  return g.reshape(bsz, h, t_len), jnp.transpose(b, (0, 2, 1)).astype(dtype)
+def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
+                       scale, chunk_size, config=None):
+  """Gated delta rule with Pallas (Triton) kernels.
 
+  Args:
+    q, k: ``[B, T, H, K]``, any float dtype (cast to the common dtype of q,
+      k, v for the kernels' dots).
+    v: ``[B, T, HV, V]``, ``HV = G H``: value head j reads q/k head
+      ``j // G`` (grouped value heads).
+    a: ``[B, T, HV, 1]`` log decay ``<= 0`` in the compute dtype (a
+      per-channel gate raises NotImplementedError).
+    b: ``[B, T, HV]`` beta, compute dtype.
+    initial_state: ``[N, HV, K, V]`` compute dtype; N = B without chunk_seq.
+    cut: None or bool ``[B, T, HV, 1]``: where True, the state carried into
+      the token is replaced by zero before its decay and update (its a is
+      then irrelevant and gets a zero gradient).
+    chunk_seq: None or int32 ``[T / chunk_size]`` (then B = 1): the
+      non-decreasing sequence index of each chunk. A sequence's first chunk
+      starts from ``initial_state[seq]``; its final state is the one leaving
+      its last chunk (a sequence without chunks keeps its initial state).
+    scale: Python float multiplying q.
+    chunk_size: C, a power of two >= 16 dividing T.
+    config: :class:`core.KernelConfig` (None: the defaults).
 
-def _pad_state(state, k_dim, v_dim):
-  """``[B, H, K, V]`` padded with zeros to ``[B, H, k_dim, v_dim]``."""
-  return common.pad_axis(common.pad_axis(state, 2, k_dim), 3, v_dim)
-
-
-def _padded(q, k, v, state):
-  """q, k, v in one dtype (the kernels' dots need it), head dims padded."""
-  dtype = jnp.result_type(q, k, v)
-  kp, vp = core.padded_dim(q.shape[-1]), core.padded_dim(v.shape[-1])
-  q, k = (common.pad_axis(x.astype(dtype), 3, kp) for x in (q, k))
-  v = common.pad_axis(v.astype(dtype), 3, vp)
-  return q, k, v, _pad_state(state, kp, vp)
-
-
-def _check(q, a, chunk_size):
+  Returns:
+    ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in the
+    compute dtype)``. Differentiable (custom VJP) in q, k, v, a, b and
+    initial_state.
+  """
   if a.shape[-1] != 1:
     raise NotImplementedError(
         "impl='pallas' has kernels for the scalar (Gated DeltaNet) gate; use "
         "impl='chunked' for a per-channel (KDA) gate (impl='auto' does).")
-  if chunk_size < core.SUB:
-    raise ValueError(f"impl='pallas' needs chunk_size >= {core.SUB}; got "
-                     f"{chunk_size}")
+  if chunk_size < core.SUB or chunk_size & (chunk_size - 1):
+    raise ValueError(f"impl='pallas' needs chunk_size >= {core.SUB}, a power "
+                     f"of two; got {chunk_size}")
+  bsz, t_len, h = q.shape[:3]
+  heads = v.shape[2]
+  if t_len % chunk_size or heads % h:
+    raise ValueError(f"T = {t_len} must be a multiple of chunk_size = "
+                     f"{chunk_size} and HV = {heads} a multiple of H = {h}")
+  if chunk_seq is not None and (bsz != 1 or chunk_seq.shape
+                                != (t_len // chunk_size,)):
+    raise ValueError(f"chunk_seq needs B = 1 and shape [T / C] = "
+                     f"{(t_len // chunk_size,)}; got B = {bsz}, "
+                     f"{tuple(chunk_seq.shape)}")
+  config = (config or core.KernelConfig()).resolve()
+  return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
+                 initial_state, cut, chunk_seq)
 
 
-def _forward(q, k, v, a, b, initial_state, scale, chunk_size):
-  _check(q, a, chunk_size)
+def _gates(a, b, cut, chunk_size, dtype):
+  """``[B, T, HV, 1]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
+  ``[B, HV, T]`` chunk-local cumulative gate, beta and cumulative cut count
+  (int32, or None). The gate of a cut token is irrelevant: it is taken as 0."""
+  bsz, t_len, heads, _ = a.shape
+  to_heads = lambda x: jnp.transpose(x[..., 0], (0, 2, 1))
+  chunk_cumsum = lambda x: jnp.cumsum(
+      x.reshape(bsz, heads, t_len // chunk_size, chunk_size),
+      axis=-1).reshape(bsz, heads, t_len)
+  a = to_heads(a).astype(dtype)
+  cuts = None
+  if cut is not None:
+    cut = to_heads(cut)
+    a = jnp.where(cut, 0, a)
+    cuts = chunk_cumsum(cut.astype(jnp.int32))
+  return chunk_cumsum(a), jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
+
+
+def _pad_state(s, k_dim, v_dim):
+  """``[N, HV, K, V]`` padded with zeros to ``[N, HV, k_dim, v_dim]``."""
+  return common.pad_axis(common.pad_axis(s, 2, k_dim), 3, v_dim)
+
+
+def _padded(q, k, v):
+  """q, k, v in one dtype (the kernels' dots need it), head dims padded."""
+  dtype = jnp.result_type(q, k, v)
+  kp, vp = core.padded_dim(q.shape[-1]), core.padded_dim(v.shape[-1])
+  q, k = (common.pad_axis(x.astype(dtype), 3, kp) for x in (q, k))
+  return q, k, common.pad_axis(v.astype(dtype), 3, vp)
+
+
+def _unvisited(chunk_seq, n_seq):
+  """``[N, 1, 1, 1]``: the sequences that own no chunk (their state passes
+  through unchanged)."""
+  owned = jnp.zeros((n_seq,), jnp.bool_).at[chunk_seq].set(True)
+  return ~owned[:, None, None, None]
+
+
+def _group_sum(x, h):
+  """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``, summed per group."""
+  bsz, t_len, heads, d = x.shape
+  if heads == h:
+    return x
+  return x.reshape(bsz, t_len, h, heads // h, d).sum(axis=3)
+
+
+def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
+             chunk_seq):
   acc = initial_state.dtype
-  g, beta = _gates(a, b, chunk_size, acc)
-  qp, kp, vp, s0 = _padded(q, k, v, initial_state)
-  t = ut.inverse(kp, g, beta, chunk_size=chunk_size)
-  delta, states, final = state.forward_scan(t, kp, vp, g, beta, s0,
-                                            chunk_size=chunk_size)
-  o = output.output(qp, kp, g, states, delta, chunk_size=chunk_size,
-                    scale=scale, out_dtype=v.dtype)
-  n_k, n_v = q.shape[-1], v.shape[-1]
-  return ((o[..., :n_v], final[..., :n_k, :n_v]),
-          (t, states, delta))
+  shared = dict(chunk_size=chunk_size, interpret=config.interpret,
+                dot=config.dot)
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
+  qp, kp, vp = _padded(q, k, v)
+  s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
+  t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
+                 launch=config.inverse, **shared)
+  delta, states, final = state.forward_scan(
+      t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
+      initial_state=s0, launch=config.forward_scan, **shared)
+  o = output.output(q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta,
+                    scale=scale, out_dtype=v.dtype, launch=config.output,
+                    **shared)
+  final = final[..., :q.shape[-1], :v.shape[-1]]
+  if chunk_seq is not None:
+    final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
+                      final)
+  return (o[..., :v.shape[-1]], final), (t, states, delta)
 
 
-def _backward(scale, chunk_size, inputs, saved, cotangents):
-  q, k, v, a, b, initial_state = inputs
-  t, states, delta = saved
+def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
+         chunk_seq):
+  outputs, saved = _forward(scale, chunk_size, config, q, k, v, a, b,
+                            initial_state, cut, chunk_seq)
+  return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, saved)
+
+
+def _bwd(scale, chunk_size, config, residuals, cotangents):
+  q, k, v, a, b, initial_state, cut, chunk_seq, (t, states, delta) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
-  g, beta = _gates(a, b, chunk_size, acc)
-  qp, kp, vp, _ = _padded(q, k, v, initial_state)
+  shared = dict(chunk_size=chunk_size, interpret=config.interpret,
+                dot=config.dot)
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
+  qp, kp, vp = _padded(q, k, v)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
-  d_final = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
-  w, u = ut.w_u(kp, vp, g, beta, t, chunk_size=chunk_size)
+  d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
+  w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
+                **shared)
   dq, dk_out, dg_out, d_delta = output.output_backward(
-      qp, kp, g, states, delta, d_o, chunk_size=chunk_size, scale=scale)
+      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
+      scale=scale, launch=config.output_backward, **shared)
   d_delta, d_next, d_initial = state.backward_scan(
-      qp, kp, w, g, d_o, d_delta, d_final, chunk_size=chunk_size,
-      scale=scale)
+      q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
+      d_delta_local=d_delta, d_final=d_final_p, scale=scale,
+      launch=config.backward_scan, **shared)
   dk, dv, db, da = ut.ut_backward(
-      kp, vp, g, beta, t, w, u, states, d_next, delta, d_delta, dk_out,
-      dg_out, chunk_size=chunk_size)
-  n_k, n_v = q.shape[-1], v.shape[-1]
+      k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
+      d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
+      dg_out=dg_out, launch=config.ut_backward, **shared)
+  n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
   da = jnp.transpose(da, (0, 2, 1))[..., None]
+  if cut is not None:
+    da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))
-  return (dq[..., :n_k].astype(q.dtype), dk[..., :n_k].astype(k.dtype),
+  d_initial = d_initial[..., :n_k, :n_v]
+  if chunk_seq is not None:
+    d_initial = jnp.where(_unvisited(chunk_seq, d_initial.shape[0]),
+                          d_final.astype(acc), d_initial)
+  return (_group_sum(dq[..., :n_k], h).astype(q.dtype),
+          _group_sum(dk[..., :n_k], h).astype(k.dtype),
           dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
-          db.astype(b.dtype),
-          d_initial[..., :n_k, :n_v].astype(initial_state.dtype))
+          db.astype(b.dtype), d_initial.astype(initial_state.dtype),
+          None, None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _pallas(q, k, v, a, b, initial_state, scale, chunk_size):
-  return _forward(q, k, v, a, b, initial_state, scale, chunk_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _pallas(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
+            chunk_seq):
+  """:func:`gated_delta_pallas` after its checks; scale, chunk_size and the
+  resolved config are static."""
+  return _forward(scale, chunk_size, config, q, k, v, a, b, initial_state,
+                  cut, chunk_seq)[0]
 
 
-def _pallas_fwd(q, k, v, a, b, initial_state, scale, chunk_size):
-  outputs, saved = _forward(q, k, v, a, b, initial_state, scale, chunk_size)
-  return outputs, ((q, k, v, a, b, initial_state), saved)
-
-
-def _pallas_bwd(scale, chunk_size, residuals, cotangents):
-  inputs, saved = residuals
-  return _backward(scale, chunk_size, inputs, saved, cotangents)
-
-
-_pallas.defvjp(_pallas_fwd, _pallas_bwd)
-
-
-def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
-                       chunk_size):
-  """Gated delta rule with Pallas (Triton) kernels, in the contract of
-  :data:`deltajax.registry.CONTRACT`: scalar gate, no cuts, no packing, no
-  grouped value heads."""
-  if cut is not None or chunk_seq is not None or v.shape[2] != q.shape[2]:
-    raise NotImplementedError("impl='pallas' has no packed sequences or "
-                              "grouped value heads yet")
-  return _pallas(q, k, v, a, b, initial_state, scale, chunk_size)
+_pallas.defvjp(_fwd, _bwd)

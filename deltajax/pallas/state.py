@@ -1,9 +1,17 @@
 """The state scan over chunks, forward and backward: the only sequential kernels.
 
-One program per (batch, head, V block) walks the chunks with the state
+One program per (batch, value head, V block) walks the chunks with the state
 ``[K, BV]`` in registers, in float32. Only what depends on the carried state
 stays on this path (ANCHORS: the sequential path is latency-bound): forward,
 ``Delta`` and the state update; backward, the state cotangent.
+
+Optional inputs, each a static branch (none of their work without them):
+``cuts`` (the chunk-local cumulative cut count: the decays of :mod:`core` are
+0 across a cut) and ``chunk_seq`` (packed sequences, B = 1: chunk m belongs to
+sequence ``chunk_seq[m]``; the state entering a sequence's first chunk is its
+initial state, its final state is the one leaving its last chunk; backward,
+the final state's cotangent enters at the last chunk and the carried
+cotangent leaves at the first chunk as the initial state's).
 """
 
 from __future__ import annotations
@@ -16,32 +24,65 @@ from jax.experimental import pallas as pl
 from deltajax.pallas import core
 
 
-def _forward_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
-                    delta_ref, states_ref, final_ref, *, chunk_size):
+def _boundaries(seq_ref, n, n_chunks):
+  """``(sequence of chunk n, whether n is its first chunk, its last chunk)``."""
+  seq = seq_ref[n]
+  first = (n == 0) | (seq_ref[jnp.maximum(n - 1, 0)] != seq)
+  last = (n == n_chunks - 1) | (seq_ref[jnp.minimum(n + 1, n_chunks - 1)]
+                                != seq)
+  return seq, first, last
+
+
+def _cut_tiles(cuts_ref, n, c):
+  """The chunk's cut counts and the count at its end (None without cuts)."""
+  if cuts_ref is None:
+    return None, None
+  return cuts_ref[pl.ds(n * c, c)], cuts_ref[n * c + c - 1]
+
+
+def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
+                    s0_ref, delta_ref, states_ref, final_ref, chunk_size,
+                    dot):
   c = chunk_size
+  n_chunks = k_ref.shape[0] // c
   dtype, acc = k_ref.dtype, final_ref.dtype
 
   def chunk(n, s):
     rows = pl.ds(n * c, c)
+    if seq_ref is not None:
+      seq, first, last = _boundaries(seq_ref, n, n_chunks)
+      s = lax.cond(first, lambda: s0_ref[seq].astype(acc), lambda: s)
     states_ref[n] = s.astype(states_ref.dtype)
     k = k_ref[rows, :]
     g, beta = g_ref[rows].astype(acc), b_ref[rows].astype(acc)
     g_end = g_ref[n * c + c - 1].astype(acc)
+    cuts, cuts_end = _cut_tiles(cuts_ref, n, c)
     # Delta = U - W S = T diag(b) (V - e^g K S): W and U are never formed.
     y = beta[:, None] * (v_ref[rows, :].astype(acc)
-                         - jnp.exp(g)[:, None] * core.mm(k, s.astype(dtype)))
-    delta = core.mm(t_ref[rows, :], y.astype(dtype))
+                         - core.from_start(g, cuts)[:, None]
+                         * dot(k, s.astype(dtype)))
+    delta = dot(t_ref[rows, :], y.astype(dtype))
     delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-    delta_end = (delta * jnp.exp(g_end - g)[:, None]).astype(dtype)
-    return jnp.exp(g_end) * s + core.mm(k, delta_end, trans_a=True)
+    delta_end = (delta * core.to_end(g, g_end, cuts, cuts_end)[:, None]
+                 ).astype(dtype)
+    s = (core.over_chunk(g_end, cuts_end) * s
+         + dot(k, delta_end, trans_a=True))
+    if seq_ref is not None:
+      @pl.when(last)
+      def _():
+        final_ref[seq] = s
+    return s
 
-  s = lax.fori_loop(0, k_ref.shape[0] // c, chunk, s0_ref[...].astype(acc))
-  final_ref[...] = s
+  if seq_ref is None:
+    final_ref[...] = lax.fori_loop(0, n_chunks, chunk,
+                                   s0_ref[...].astype(acc))
+  else:
+    lax.fori_loop(0, n_chunks, chunk, jnp.zeros(final_ref.shape[1:], acc))
 
 
-def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
-                     d_delta_ref, d_next_ref, d_initial_ref, *, chunk_size,
-                     scale):
+def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
+                     dd_ref, dfinal_ref, d_delta_ref, d_next_ref,
+                     d_initial_ref, chunk_size, scale, dot):
   c = chunk_size
   n_chunks = w_ref.shape[0] // c
   dtype, acc = w_ref.dtype, d_initial_ref.dtype
@@ -49,27 +90,41 @@ def _backward_kernel(q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
   def load(n):
     rows = pl.ds(n * c, c)
     return (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], g_ref[rows],
-            g_ref[n * c + c - 1], do_ref[rows, :], dd_ref[rows, :])
+            g_ref[n * c + c - 1], do_ref[rows, :], dd_ref[rows, :],
+            _cut_tiles(cuts_ref, n, c))
 
   def chunk(i, carry):
     # The previous chunk's tiles are loaded before this chunk's products, so
     # their latency is hidden (measured faster than Triton's pipelining here,
     # but slower in the forward scan).
-    ds, (q, k, w, g, g_end, d_o, dd) = carry
+    ds, (q, k, w, g, g_end, d_o, dd, (cuts, cuts_end)) = carry
     n = n_chunks - 1 - i
     next_tiles = load(jnp.maximum(n - 1, 0))
+    if seq_ref is not None:
+      seq, first, last = _boundaries(seq_ref, n, n_chunks)
+      ds = lax.cond(last, lambda: dfinal_ref[seq].astype(acc), lambda: ds)
     d_next_ref[n] = ds.astype(d_next_ref.dtype)
     g, g_end = g.astype(acc), g_end.astype(acc)
-    d_delta = dd + jnp.exp(g_end - g)[:, None] * core.mm(k, ds.astype(dtype))
+    d_delta = dd + (core.to_end(g, g_end, cuts, cuts_end)[:, None]
+                    * dot(k, ds.astype(dtype)))
     d_delta_ref[pl.ds(n * c, c), :] = d_delta
-    qg = q.astype(acc) * (scale * jnp.exp(g))[:, None]
-    ds = (core.mm(qg.astype(dtype), d_o.astype(dtype), trans_a=True)
-          + jnp.exp(g_end) * ds
-          - core.mm(w, d_delta.astype(dtype), trans_a=True))
+    qg = q.astype(acc) * (scale * core.from_start(g, cuts))[:, None]
+    ds = (dot(qg.astype(dtype), d_o.astype(dtype), trans_a=True)
+          + core.over_chunk(g_end, cuts_end) * ds
+          - dot(w, d_delta.astype(dtype), trans_a=True))
+    if seq_ref is not None:
+      @pl.when(first)
+      def _():
+        d_initial_ref[seq] = ds
     return ds, next_tiles
 
-  d_initial_ref[...], _ = lax.fori_loop(
-      0, n_chunks, chunk, (dfinal_ref[...].astype(acc), load(n_chunks - 1)))
+  if seq_ref is None:
+    d_initial_ref[...], _ = lax.fori_loop(
+        0, n_chunks, chunk, (dfinal_ref[...].astype(acc), load(n_chunks - 1)))
+  else:
+    lax.fori_loop(0, n_chunks, chunk,
+                  (jnp.zeros(d_initial_ref.shape[1:], acc),
+                   load(n_chunks - 1)))
 
 
 def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
@@ -79,47 +134,75 @@ def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
   return max(1, min(most, budget // stage_bytes))
 
 
-def forward_scan(t, k, v, g, b, initial_state, *, chunk_size, block_v=64,
-                 num_warps=4, num_stages=None):
+def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq):
+  """BlockSpec makers for grid ``(B, HV, V blocks)``: whole sequences."""
+  seq = lambda d: core.block(None, t_len, None, d)
+  specs = dict(
+      qk=seq(dk)(lambda i, j, x: (i, 0, core.qk_head(j, groups), 0)),
+      keys=seq(dk)(lambda i, j, x: (i, 0, j, 0)),
+      vals=seq(bv)(lambda i, j, x: (i, 0, j, x)),
+      gate=core.block(None, None, t_len)(lambda i, j, x: (i, j, 0)),
+      states=core.block(None, None, n_chunks, dk, bv)(
+          lambda i, j, x: (i, j, 0, 0, x)),
+      chunk_seq=core.block(n_chunks)(lambda i, j, x: (0,)))
+  if n_seq is None:   # one state per batch row
+    specs["state"] = core.block(None, None, dk, bv)(
+        lambda i, j, x: (i, j, 0, x))
+  else:               # the table of all sequences' states
+    specs["state"] = core.block(n_seq, None, dk, bv)(
+        lambda i, j, x: (0, j, 0, x))
+  return specs
+
+
+def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
+                 launch, interpret, dot):
   """``Delta = T diag(b) (V - e^g K S)`` (= ``U - W S``) and
   ``S' = e^{g_C} S + K^T (e^{g_C - g} Delta)``, chunk by chunk.
 
   Args:
-    t: ``[B, H, T, C]`` from :func:`ut.inverse`; k: ``[B, T, H, K]``;
-    v: ``[B, T, H, V]``; g, b: ``[B, H, T]``; initial_state: ``[B, H, K, V]``
-    float32 (float64 in interpret mode).
+    t: ``[B, HV, T, C]`` from :func:`ut.inverse`; k: ``[B, T, H, K]``;
+    v: ``[B, T, HV, V]``; g, b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or
+    None; chunk_seq: ``[T / C]`` int32 or None (then B = 1);
+    initial_state: ``[N, HV, K, V]`` float32 (float64 in interpret mode),
+    N = B without chunk_seq.
 
   Returns:
-    ``(delta [B, T, H, V] in v's dtype, states [B, H, N, K, V] (each chunk's
-    entry state, in k's dtype), final_state [B, H, K, V])``.
+    ``(delta [B, T, HV, V] in v's dtype, states [B, HV, T / C, K, V] (each
+    chunk's entry state, in k's dtype), final_state [N, HV, K, V])``; with
+    chunk_seq, a sequence without chunks has an undefined final state.
   """
   bsz, t_len, h, dk = k.shape
-  dv, bv = v.shape[-1], min(v.shape[-1], block_v)
-  c = chunk_size
+  heads, dv = v.shape[2:]
+  bv, c = min(dv, launch.block_v), chunk_size
   n = t_len // c
   acc = initial_state.dtype
+  num_stages = launch.num_stages
   if num_stages is None:  # T, K and V tiles of one chunk
     num_stages = _pipeline_stages(c * (c + dk + bv) * k.dtype.itemsize)
-  seq = lambda d: core.block(None, t_len, None, d)
-  gate = core.block(None, None, t_len)(lambda i, j, x: (i, j, 0))
-  state = core.block(None, None, dk, bv)(lambda i, j, x: (i, j, 0, x))
-  states = core.block(None, None, n, dk, bv)(lambda i, j, x: (i, j, 0, 0, x))
+  launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
+  sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
+                   None if chunk_seq is None else initial_state.shape[0])
   return core.call(
-      lambda *refs: _forward_kernel(*refs, chunk_size=c),
-      grid=(bsz, h, dv // bv),
-      in_specs=[core.block(None, None, t_len, c)(lambda i, j, x: (i, j, 0, 0)),
-                seq(dk)(lambda i, j, x: (i, 0, j, 0)),
-                seq(bv)(lambda i, j, x: (i, 0, j, x)), gate, gate, state],
-      out_specs=[seq(bv)(lambda i, j, x: (i, 0, j, x)), states, state],
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), k.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
-      num_warps=num_warps, num_stages=num_stages,
-      name="deltajax_state_forward")(t, k, v, g, b, initial_state)
+      _forward_kernel, grid=(bsz, heads, dv // bv),
+      inputs=dict(
+          t_ref=(t, core.block(None, None, t_len, c)(
+              lambda i, j, x: (i, j, 0, 0))),
+          k_ref=(k, sp["qk"]), v_ref=(v, sp["vals"]), g_ref=(g, sp["gate"]),
+          b_ref=(b, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
+          seq_ref=(chunk_seq, sp["chunk_seq"]),
+          s0_ref=(initial_state, sp["state"])),
+      outputs=dict(
+          delta_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), sp["vals"]),
+          states_ref=(jax.ShapeDtypeStruct((bsz, heads, n, dk, dv), k.dtype),
+                      sp["states"]),
+          final_ref=(jax.ShapeDtypeStruct(initial_state.shape, acc),
+                     sp["state"])),
+      launch=launch, interpret=interpret, name="deltajax_state_forward",
+      chunk_size=c, dot=dot)
 
 
-def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
-                  scale, block_v=64, num_warps=8, num_stages=1):
+def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
+                  d_final, chunk_size, scale, launch, interpret, dot):
   """Reverse scan for the state cotangent.
 
   With ``dS`` the cotangent of a chunk's exit state::
@@ -128,34 +211,36 @@ def backward_scan(q, k, w, g, d_o, d_delta_local, d_final, *, chunk_size,
     dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
 
   Args:
-    q, k, w: ``[B, T, H, K]``; g: ``[B, H, T]``; d_o: ``[B, T, H, V]``;
-    d_delta_local: ``[B, T, H, V]`` float32, the output's share of dDelta;
-    d_final: ``[B, H, K, V]``.
+    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g, cuts: ``[B, HV, T]``
+    (cuts int32 or None); chunk_seq: ``[T / C]`` int32 or None; d_o:
+    ``[B, T, HV, V]``; d_delta_local: ``[B, T, HV, V]`` float32, the
+    output's share of dDelta; d_final: ``[N, HV, K, V]``.
 
   Returns:
-    ``(d_delta [B, T, H, V], d_next [B, H, N, K, V] in k's dtype, d_initial
-    [B, H, K, V])``.
+    ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] in k's dtype,
+    d_initial [N, HV, K, V])``; with chunk_seq, a sequence without chunks
+    has an undefined d_initial.
   """
   bsz, t_len, h, dk = q.shape
-  dv, bv = d_o.shape[-1], min(d_o.shape[-1], block_v)
+  heads, dv = d_o.shape[2:]
+  bv = min(dv, launch.block_v)
   n = t_len // chunk_size
   acc = d_final.dtype
-  seq = lambda d: core.block(None, t_len, None, d)
-  keys = seq(dk)(lambda i, j, v: (i, 0, j, 0))
-  vals = seq(bv)(lambda i, j, v: (i, 0, j, v))
-  state = core.block(None, None, dk, bv)(lambda i, j, v: (i, j, 0, v))
-  states = core.block(None, None, n, dk, bv)(lambda i, j, v: (i, j, 0, 0, v))
+  sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
+                   None if chunk_seq is None else d_final.shape[0])
   return core.call(
-      lambda *refs: _backward_kernel(*refs, chunk_size=chunk_size,
-                                     scale=scale),
-      grid=(bsz, h, dv // bv),
-      in_specs=[keys, keys, keys,
-                core.block(None, None, t_len)(lambda i, j, v: (i, j, 0)),
-                vals, vals, state],
-      out_specs=[vals, states, state],
-      out_shape=[jax.ShapeDtypeStruct(d_o.shape, acc),
-                 jax.ShapeDtypeStruct((bsz, h, n, dk, dv), w.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, dk, dv), acc)],
-      num_warps=num_warps, num_stages=num_stages,
-      name="deltajax_state_backward")(
-          q, k, w, g, d_o, d_delta_local, d_final)
+      _backward_kernel, grid=(bsz, heads, dv // bv),
+      inputs=dict(
+          q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]), w_ref=(w, sp["keys"]),
+          g_ref=(g, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
+          seq_ref=(chunk_seq, sp["chunk_seq"]), do_ref=(d_o, sp["vals"]),
+          dd_ref=(d_delta_local, sp["vals"]),
+          dfinal_ref=(d_final, sp["state"])),
+      outputs=dict(
+          d_delta_ref=(jax.ShapeDtypeStruct(d_o.shape, acc), sp["vals"]),
+          d_next_ref=(jax.ShapeDtypeStruct((bsz, heads, n, dk, dv), w.dtype),
+                      sp["states"]),
+          d_initial_ref=(jax.ShapeDtypeStruct(d_final.shape, acc),
+                         sp["state"])),
+      launch=launch, interpret=interpret, name="deltajax_state_backward",
+      chunk_size=chunk_size, scale=scale, dot=dot)
