@@ -3,7 +3,9 @@
 Lower bounds: the whole test suite passes on the CPU (Python 3.11) with exactly
 these versions (``pip install -c`` pins of them). jax 0.10 needs numpy >= 2, so
 matplotlib < 3.8.4 (numpy < 2) cannot be installed with it, and flax 0.12.0
-and 0.12.1 do not import or jit under jax 0.10.
+and 0.12.1 do not import or jit under jax 0.10. safetensors 0.8.0 and
+transformers 5.24.0 are the versions deltajax.hf was tested with (no older
+ones were tried).
 """
 
 import re
@@ -30,6 +32,8 @@ setup(
     ],
     extras_require={
         "nn": ["flax>=0.12.2", "optax>=0.2.4"],
+        # deltajax.hf: layers from transformers checkpoints (no torch).
+        "hf": ["flax>=0.12.2", "optax>=0.2.4", "safetensors>=0.8.0"],
         "test": [
             "absl-py>=2.0.0",
             "chex>=0.1.90",
@@ -41,6 +45,12 @@ setup(
             "nbformat>=5.10.0",
             "nbclient>=0.10.0",
             "ipykernel>=6.29.0",
+            # tests/test_hf.py compares deltajax.hf with transformers' modules;
+            # 2.13.0 is the CPU build on these machines (an unpinned torch
+            # pulls a multi-GB CUDA build).
+            "safetensors>=0.8.0",
+            "torch==2.13.0",
+            "transformers>=5.24.0",
         ],
     },
     license="Apache-2.0",

@@ -12,10 +12,17 @@ Each follows the Gated DeltaNet paper and fla's layers::
 
     q, k, v = silu(causal depthwise conv(x W_qkv))   # short convolution
     q, k    = l2_normalize(q), l2_normalize(k)       # per head
-    beta    = sigmoid(x W_b)                         # [B, T, H]
+    beta    = sigmoid(x W_b)                         # [B, T, HV]
     a       = -exp(A_log) * softplus(x W_a + dt_bias)
     o       = gated_delta(q, k, v, a, beta)
     y       = (RMSNorm(o) * silu(x W_g)) W_o
+
+q and k have H heads; v, beta, the gate and the state have ``HV = G H``
+(``num_v_heads``, grouped value heads as in Qwen3-Next), value head ``j``
+reading q/k head ``j // G``. A ``mask`` ``[B, T]`` marks padding (False):
+padded tokens are zeroed before the projections, leave the state unchanged
+and give zero outputs. ``segment_ids`` ``[B, T]`` packs several sequences in
+one row: the state and the convolution window restart where the id changes.
 
 Training calls ``layer(x)``; decoding carries a :class:`DeltaCache`::
 
@@ -38,31 +45,39 @@ from flax import nnx
 
 from deltajax import api
 
-__all__ = ["DeltaCache", "DeltaNet", "DeltaRuleLayer", "GatedDeltaNet",
-           "KimiDeltaAttention", "a_log_init", "causal_depthwise_conv",
-           "conv_kernel_init", "dt_bias_init", "l2_normalize"]
+__all__ = ["CHUNK_SIZES", "DeltaCache", "DeltaNet", "DeltaRuleLayer",
+           "GatedDeltaNet", "KimiDeltaAttention", "OUTPUT_GATES", "a_log_init",
+           "causal_depthwise_conv", "conv_kernel_init", "dt_bias_init",
+           "l2_normalize"]
+
+
+CHUNK_SIZES = (16, 32, 64)
+OUTPUT_GATES = ("silu", "sigmoid")
 
 
 class DeltaCache(NamedTuple):
   """What a layer carries from one call to the next while decoding.
 
   Attributes:
-    conv: ``[B, conv_size - 1, 2 H K + H V]``, the last ``conv_size - 1``
+    conv: ``[B, conv_size - 1, 2 H K + HV V]``, the last ``conv_size - 1``
       q, k, v projections before the short convolution, in the layer's dtype.
-    state: ``[B, H, K, V]`` float32, the recurrent state.
+    state: ``[B, HV, K, V]`` float32, the recurrent state.
   """
   conv: jax.Array
   state: jax.Array
 
 
-def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
-                          history: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_depthwise_conv(x: jax.Array, kernel: jax.Array, history: jax.Array,
+                          segment_ids: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise convolution of ``x`` continued from ``history``.
 
   Args:
     x: ``[B, T, C]``.
     kernel: ``[W, C]``; ``kernel[-1]`` weighs the current token.
     history: ``[B, W - 1, C]``, the inputs before ``x`` (zeros at the start).
+    segment_ids: optional ``[B, T]``; a token's window then holds only the
+      tokens of its own segment (``history`` counts as the first token's).
 
   Returns:
     ``(y, new_history)``: ``[B, T, C]`` and the last ``W - 1`` inputs
@@ -70,15 +85,33 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array,
   """
   width, t = kernel.shape[0], x.shape[1]
   padded = jnp.concatenate([history.astype(x.dtype), x], axis=1)
-  y = sum(padded[:, i:i + t] * kernel[i] for i in range(width))
+  if segment_ids is not None:
+    padded_ids = jnp.concatenate(
+        [jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+
+  def tap(i):
+    """The inputs ``W - 1 - i`` tokens back, zero across a segment start."""
+    window = padded[:, i:i + t]
+    if segment_ids is None:
+      return window
+    same = padded_ids[:, i:i + t] == segment_ids
+    return jnp.where(same[..., None], window, 0)
+
+  y = sum(tap(i) * kernel[i] for i in range(width))
   return y, padded[:, padded.shape[1] - (width - 1):]
 
 
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """``x / sqrt(sum(x^2) + eps)`` over the last axis, computed in float32."""
+def l2_normalize(x: jax.Array, eps: float = 1e-6, *,
+                 divide: bool = False) -> jax.Array:
+  """``x * rsqrt(sum(x^2) + eps)`` over the last axis, computed in float32.
+
+  ``divide=True`` computes ``x / sqrt(sum(x^2) + eps)`` instead (the same up
+  to rounding; Kimi Linear's form in transformers).
+  """
   x32 = x.astype(jnp.float32)
-  norm = jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * norm).astype(x.dtype)
+  sum_sq = jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps
+  out = x32 / jnp.sqrt(sum_sq) if divide else x32 * jax.lax.rsqrt(sum_sq)
+  return out.astype(x.dtype)
 
 
 def a_log_init(key, shape, dtype=jnp.float32):
@@ -106,124 +139,233 @@ def conv_kernel_init(key, shape, dtype=jnp.float32):
   return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
+def _check_positive_int(name: str, value) -> None:
+  if not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
 class DeltaRuleLayer(nnx.Module):
   """The gated delta rule token mixer; subclasses fix the gate's shape.
 
   Args:
     d_model: width of the input and output ``[B, T, d_model]``.
-    num_heads: H.
+    num_heads: H, the q/k heads.
     rngs: ``nnx.Rngs`` for the parameters.
+    num_v_heads: HV, the value heads (and those of beta, the gate and the
+      state), a multiple of H; defaults to H. Value head ``j`` reads q/k head
+      ``j // (HV / H)``.
     head_dim: K, the q/k width per head; defaults to ``d_model // num_heads``.
     value_head_dim: V, the value width per head; defaults to ``head_dim``.
     conv_size: width of the short causal convolution over q, k and v.
     allow_neg_eigval: ``beta = 2 sigmoid(.)`` in ``(0, 2)`` instead of
       ``(0, 1)``, which lets the transition have negative eigenvalues.
     norm_eps: epsilon of the output RMSNorm.
-    impl, chunk_size: passed to :func:`deltajax.gated_delta`.
-    dtype: dtype of the activations (e.g. ``jnp.bfloat16``); the recurrent
-      state and the gates are float32 whatever it is.
+    gate_rank: computes the gate's ``x W_a`` through a rank-``gate_rank``
+      bottleneck, two projections ``(x W_a1) W_a2`` (Kimi Linear's
+      ``f_a``, ``f_b``); None: one projection.
+    output_gate_rank: the same for the output gate's ``x W_g``.
+    output_gate: "silu" (Gated DeltaNet) or "sigmoid" (Kimi Linear), the
+      activation of the output gate.
+    l2_divide: normalise q and k as ``x / sqrt(sum x^2 + eps)`` rather than
+      ``x * rsqrt(sum x^2 + eps)`` (see :func:`l2_normalize`).
+    impl, chunk_size: passed to :func:`deltajax.gated_delta`; ``chunk_size``
+      is 16, 32 or 64.
+    dtype: dtype of the activations (e.g. ``jnp.bfloat16``); q and k after
+      normalisation, the gates, the output norm and the recurrent state are
+      float32 whatever it is.
     param_dtype: dtype of the parameters.
   """
 
   gate: ClassVar[str]  # "head", "channel" or "none"
 
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs,
-               head_dim: int | None = None, value_head_dim: int | None = None,
-               conv_size: int = 4, allow_neg_eigval: bool = False,
-               norm_eps: float = 1e-5, impl: str = "auto", chunk_size: int = 64,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               num_v_heads: int | None = None, head_dim: int | None = None,
+               value_head_dim: int | None = None, conv_size: int = 4,
+               allow_neg_eigval: bool = False, norm_eps: float = 1e-5,
+               gate_rank: int | None = None,
+               output_gate_rank: int | None = None, output_gate: str = "silu",
+               l2_divide: bool = False, impl: str = "auto",
+               chunk_size: int = 64, dtype=jnp.float32,
+               param_dtype=jnp.float32):
+    _check_positive_int("d_model", d_model)
+    _check_positive_int("num_heads", num_heads)
+    num_v_heads = num_heads if num_v_heads is None else num_v_heads
+    _check_positive_int("num_v_heads", num_v_heads)
+    if num_v_heads % num_heads:
+      raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of "
+                       f"num_heads={num_heads}")
     if head_dim is None:
       if d_model % num_heads:
         raise ValueError(f"d_model={d_model} is not divisible by num_heads="
                          f"{num_heads}; pass head_dim")
       head_dim = d_model // num_heads
-    if conv_size < 1:
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    for name, value in (("head_dim", head_dim),
+                        ("value_head_dim", value_head_dim)):
+      _check_positive_int(name, value)
+    for name, value in (("gate_rank", gate_rank),
+                        ("output_gate_rank", output_gate_rank)):
+      if value is not None:
+        _check_positive_int(name, value)
+    if not isinstance(conv_size, int) or conv_size < 1:
       raise ValueError(f"conv_size must be at least 1; got {conv_size}")
     if impl not in api.IMPLEMENTATIONS:
       raise ValueError(f"impl must be one of {api.IMPLEMENTATIONS}; got "
                        f"{impl!r}")
+    if chunk_size not in CHUNK_SIZES:
+      raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}; got "
+                       f"{chunk_size!r}")
+    if output_gate not in OUTPUT_GATES:
+      raise ValueError(f"output_gate must be one of {OUTPUT_GATES}; got "
+                       f"{output_gate!r}")
+    self.d_model = d_model
     self.num_heads = num_heads
+    self.num_v_heads = num_v_heads
     self.head_dim = head_dim
-    self.value_head_dim = value_head_dim or head_dim
+    self.value_head_dim = value_head_dim
     self.conv_size = conv_size
     self.allow_neg_eigval = allow_neg_eigval
+    self.output_gate = output_gate
+    self.l2_divide = l2_divide
     self.impl = impl
     self.chunk_size = chunk_size
     self.dtype = dtype
 
-    h, dk, dv = num_heads, head_dim, self.value_head_dim
+    hv, dk, dv = num_v_heads, head_dim, value_head_dim
     def linear(n_in, n_out):
       return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
                         param_dtype=param_dtype, rngs=rngs)
 
+    def projection(n_in, n_out, rank):
+      if rank is None:
+        return linear(n_in, n_out)
+      return nnx.Sequential(linear(n_in, rank), linear(rank, n_out))
+
     self.qkv_proj = linear(d_model, self._qkv_width)
     self.conv_kernel = nnx.Param(conv_kernel_init(
         rngs.params(), (conv_size, self._qkv_width), param_dtype))
-    self.b_proj = linear(d_model, h)
+    self.b_proj = linear(d_model, hv)
     gate_width = {"head": 1, "channel": dk, "none": 0}[self.gate]
     if gate_width:
-      self.a_proj = linear(d_model, h * gate_width)
-      self.A_log = nnx.Param(a_log_init(rngs.params(), (h,), param_dtype))
-      gate_shape = (h,) if gate_width == 1 else (h, gate_width)
+      self.a_proj = projection(d_model, hv * gate_width, gate_rank)
+      self.A_log = nnx.Param(a_log_init(rngs.params(), (hv,), param_dtype))
+      gate_shape = (hv,) if gate_width == 1 else (hv, gate_width)
       self.dt_bias = nnx.Param(dt_bias_init(rngs.params(), gate_shape,
                                             param_dtype))
-    self.g_proj = linear(d_model, h * dv)
-    self.o_norm = nnx.RMSNorm(dv, epsilon=norm_eps, dtype=dtype,
+    self.g_proj = projection(d_model, hv * dv, output_gate_rank)
+    self.o_norm = nnx.RMSNorm(dv, epsilon=norm_eps, dtype=jnp.float32,
                               param_dtype=param_dtype, rngs=rngs)
-    self.o_proj = linear(h * dv, d_model)
+    self.o_proj = linear(hv * dv, d_model)
 
   def init_cache(self, batch_size: int) -> DeltaCache:
     """An empty :class:`DeltaCache`: no tokens seen yet."""
+    _check_positive_int("batch_size", batch_size)
     return DeltaCache(
         conv=self._empty_history(batch_size),
-        state=jnp.zeros((batch_size, self.num_heads, self.head_dim,
-                         self.value_head_dim), jnp.float32))
+        state=jnp.zeros(self._state_shape(batch_size), jnp.float32))
 
   @property
   def _qkv_width(self) -> int:
-    """``2 H K + H V``: the channels of the q, k, v projection and convolution."""
-    return self.num_heads * (2 * self.head_dim + self.value_head_dim)
+    """``2 H K + HV V``: the channels of the q, k, v projection and convolution."""
+    return (2 * self.num_heads * self.head_dim
+            + self.num_v_heads * self.value_head_dim)
+
+  def _state_shape(self, batch_size: int) -> tuple[int, ...]:
+    """``(B, HV, K, V)``."""
+    return (batch_size, self.num_v_heads, self.head_dim, self.value_head_dim)
 
   def _empty_history(self, batch_size: int) -> jax.Array:
-    """Zeros ``[B, conv_size - 1, 2 H K + H V]``: the convolution's left padding."""
+    """Zeros ``[B, conv_size - 1, 2 H K + HV V]``: the convolution's left padding."""
     return jnp.zeros((batch_size, self.conv_size - 1, self._qkv_width),
                      self.dtype)
 
-  def __call__(self, x: jax.Array, *, cache: DeltaCache | None = None):
+  def __call__(self, x: jax.Array, *, cache: DeltaCache | None = None,
+               mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None):
     """Mixes the tokens of ``x`` ``[B, T, d_model]``.
 
-    Returns ``y`` ``[B, T, d_model]`` in the layer's dtype; with ``cache``,
-    ``(y, new_cache)``, continuing the sequences that ``cache`` holds.
+    Args:
+      x: ``[B, T, d_model]``.
+      cache: a :class:`DeltaCache` to continue from (decoding), or None.
+      mask: optional bool ``[B, T]``, False at padding tokens: they are
+        zeroed before the projections (so the convolution does not see
+        them), leave the state unchanged and give zero outputs.
+      segment_ids: optional integer ``[B, T]`` for packed sequences: the
+        state and the convolution window restart where the id changes. Not
+        with ``cache``.
+
+    Returns:
+      ``y`` ``[B, T, d_model]`` in the layer's dtype; with ``cache``,
+      ``(y, new_cache)``, continuing the sequences that ``cache`` holds.
     """
+    x, mask, segment_ids = (None if z is None else jnp.asarray(z)
+                            for z in (x, mask, segment_ids))
+    self._check_call(x, cache, mask, segment_ids)
     bsz, t, _ = x.shape
+    if mask is not None:
+      x = jnp.where(mask[..., None], x, 0)
     history = self._empty_history(bsz) if cache is None else cache.conv
     qkv, history = causal_depthwise_conv(
-        self.qkv_proj(x), self.conv_kernel[...].astype(self.dtype), history)
+        self.qkv_proj(x), self.conv_kernel[...].astype(self.dtype), history,
+        segment_ids)
     q, k, v = self._split_heads(nnx.silu(qkv))
-    q, k = l2_normalize(q), l2_normalize(k)
+    q, k = (l2_normalize(z.astype(jnp.float32), divide=self.l2_divide)
+            for z in (q, k))
     beta = nnx.sigmoid(self.b_proj(x).astype(jnp.float32))
     if self.allow_neg_eigval:
       beta = 2.0 * beta
     a = self.log_decay(x)
+    if mask is not None:
+      a = jnp.where(mask.reshape(bsz, t, *(1,) * (a.ndim - 2)), a, 0.0)
+      beta = jnp.where(mask[..., None], beta, 0.0)
     if cache is None:
-      o = api.gated_delta(q, k, v, a, beta, impl=self.impl,
-                          chunk_size=self.chunk_size)
+      o = self._rule(q, k, v, a, beta, segment_ids=segment_ids)
     else:
       o, state = self._continue(cache.state, q, k, v, a, beta)
-    gate = self.g_proj(x).reshape(bsz, t, self.num_heads, -1)
-    o = self.o_norm(o.astype(self.dtype)) * nnx.silu(gate)
-    y = self.o_proj(o.reshape(bsz, t, -1))
+    y = self.o_proj(self._gated_norm(o, x).reshape(bsz, t, -1))
+    if mask is not None:
+      y = jnp.where(mask[..., None], y, 0)
     return y if cache is None else (y, DeltaCache(history, state))
+
+  def _check_call(self, x, cache, mask, segment_ids) -> None:
+    """Raises ``ValueError``/``TypeError`` for arguments of the wrong shape or dtype."""
+    if x.ndim != 3 or x.shape[-1] != self.d_model:
+      raise ValueError(f"x must have shape [B, T, d_model] with d_model="
+                       f"{self.d_model}; got {tuple(x.shape)}")
+    bsz, t, _ = x.shape
+    if cache is not None:
+      expected = DeltaCache((bsz, self.conv_size - 1, self._qkv_width),
+                            self._state_shape(bsz))
+      got = DeltaCache(*(tuple(c.shape) for c in cache))
+      if got != expected:
+        raise ValueError(f"cache must have conv [B, conv_size - 1, 2 H K + "
+                         f"HV V] = {expected.conv} and state [B, HV, K, V] = "
+                         f"{expected.state} for x of batch size {bsz} (see "
+                         f"init_cache); got conv {got.conv}, state "
+                         f"{got.state}")
+    for name, value, kind, what in (
+        ("mask", mask, jnp.bool_, "bool"),
+        ("segment_ids", segment_ids, jnp.integer, "an integer dtype")):
+      if value is None:
+        continue
+      if tuple(value.shape) != (bsz, t):
+        raise ValueError(f"{name} must have shape [B, T] = {(bsz, t)}; got "
+                         f"{tuple(value.shape)}")
+      if not jnp.issubdtype(value.dtype, kind):
+        raise TypeError(f"{name} must have {what}; got dtype {value.dtype}")
+    if segment_ids is not None and cache is not None:
+      raise ValueError("segment_ids (packed sequences) cannot be combined "
+                       "with cache; decode each sequence in its own row")
 
   def log_decay(self, x: jax.Array) -> jax.Array:
     """``a = -exp(A_log) softplus(x W_a + dt_bias)``, float32.
 
-    ``[B, T, H]`` for a per-head gate (zeros without one), ``[B, T, H, K]``
+    ``[B, T, HV]`` for a per-head gate (zeros without one), ``[B, T, HV, K]``
     for a per-channel gate.
     """
     bsz, t, _ = x.shape
     if self.gate == "none":
-      return jnp.zeros((bsz, t, self.num_heads), jnp.float32)
+      return jnp.zeros((bsz, t, self.num_v_heads), jnp.float32)
     z = self.a_proj(x).astype(jnp.float32)
     z = z.reshape(bsz, t, *self.dt_bias.shape) + self.dt_bias[...]
     rate = jnp.exp(self.A_log[...].astype(jnp.float32))
@@ -231,27 +373,37 @@ class DeltaRuleLayer(nnx.Module):
       rate = rate[:, None]
     return -rate * jax.nn.softplus(z)
 
+  def _gated_norm(self, o: jax.Array, x: jax.Array) -> jax.Array:
+    """``RMSNorm(o) * act(x W_g)`` per value head, in float32; ``[B, T, HV, V]`` in the layer's dtype."""
+    gate = self.g_proj(x).reshape(o.shape).astype(jnp.float32)
+    act = nnx.silu if self.output_gate == "silu" else nnx.sigmoid
+    return (self.o_norm(o.astype(jnp.float32)) * act(gate)).astype(self.dtype)
+
   def _split_heads(self, qkv: jax.Array):
-    """``[B, T, 2 H K + H V]`` -> q, k ``[B, T, H, K]`` and v ``[B, T, H, V]``."""
+    """``[B, T, 2 H K + HV V]`` -> q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]``."""
     bsz, t, _ = qkv.shape
     width = self.num_heads * self.head_dim
     q, k, v = jnp.split(qkv, [width, 2 * width], axis=-1)
     return (q.reshape(bsz, t, self.num_heads, self.head_dim),
             k.reshape(bsz, t, self.num_heads, self.head_dim),
-            v.reshape(bsz, t, self.num_heads, self.value_head_dim))
+            v.reshape(bsz, t, self.num_v_heads, self.value_head_dim))
+
+  def _rule(self, q, k, v, a, beta, **options):
+    """:func:`deltajax.gated_delta` with the layer's ``impl`` and ``chunk_size``."""
+    return api.gated_delta(q, k, v, a, beta, impl=self.impl,
+                           chunk_size=self.chunk_size, **options)
 
   def _continue(self, state, q, k, v, a, beta):
     """Runs the rule from ``state``; one token takes :func:`deltajax.gated_delta_step`.
 
-    Returns ``(o [B, T, H, V], final_state [B, H, K, V])``.
+    Returns ``(o [B, T, HV, V], final_state [B, HV, K, V])``.
     """
     if q.shape[1] == 1:
       o, state = api.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0],
                                       a[:, 0], beta[:, 0])
       return o[:, None], state
-    return api.gated_delta(q, k, v, a, beta, initial_state=state,
-                           return_final_state=True, impl=self.impl,
-                           chunk_size=self.chunk_size)
+    return self._rule(q, k, v, a, beta, initial_state=state,
+                      return_final_state=True)
 
 
 class GatedDeltaNet(DeltaRuleLayer):

@@ -79,7 +79,7 @@ def test_initial_decay_rates():
 @pytest.mark.parametrize("cls", LAYERS)
 def test_decoding_token_by_token_equals_one_call(cls):
   """Prefill of 5 tokens, 6 single-token steps, then a block of 8, under nnx.jit."""
-  layer = _layer(cls, chunk_size=4)
+  layer = _layer(cls, chunk_size=16)
   x = _inputs((2, 19, D_MODEL))
   full = layer(x)
 
@@ -113,13 +113,13 @@ def test_final_cache_state_matches_one_call(cls):
 @pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
 def test_scan_and_chunked_layers_agree(cls):
   x = _inputs((2, 12, D_MODEL))
-  y_scan = _layer(cls, impl="scan", chunk_size=4)(x)
-  y_chunked = _layer(cls, impl="chunked", chunk_size=8)(x)
+  y_scan = _layer(cls, impl="scan", chunk_size=16)(x)
+  y_chunked = _layer(cls, impl="chunked", chunk_size=32)(x)
   np.testing.assert_allclose(y_scan, y_chunked, rtol=1e-5, atol=1e-5)
 
 
 def test_output_is_causal():
-  layer = _layer(nn.KimiDeltaAttention, chunk_size=4)
+  layer = _layer(nn.KimiDeltaAttention, chunk_size=16)
   x = _inputs((1, 12, D_MODEL))
   changed = x.at[:, 7:].set(_inputs((1, 5, D_MODEL), seed=2))
   np.testing.assert_allclose(layer(changed)[:, :7], layer(x)[:, :7],
@@ -132,7 +132,7 @@ def _mse_loss(layer, x, target):
 
 @pytest.mark.parametrize("cls", LAYERS)
 def test_gradients_reach_every_parameter_and_are_finite(cls):
-  layer = _layer(cls, chunk_size=8)
+  layer = _layer(cls, chunk_size=16)
   x = _inputs((2, 20, D_MODEL))
   grads = nnx.grad(_mse_loss)(layer, x, _inputs((2, 20, D_MODEL), seed=2))
   for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grads)):
@@ -161,8 +161,8 @@ def test_optax_steps_reduce_the_loss_on_a_fixed_batch(cls):
 @pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
 def test_bfloat16_parameters_and_activations(cls):
   layer = _layer(cls, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                 chunk_size=8)
-  reference = _layer(cls, chunk_size=8)
+                 chunk_size=16)
+  reference = _layer(cls, chunk_size=16)
   nnx.update(reference, jax.tree.map(lambda p: p.astype(jnp.float32),
                                      nnx.state(layer, nnx.Param)))
   x = _inputs((2, 12, D_MODEL), dtype=jnp.bfloat16)
@@ -203,3 +203,183 @@ def test_invalid_options_are_rejected(options, message):
   options = dict(dict(d_model=D_MODEL, num_heads=HEADS), **options)
   with pytest.raises(ValueError, match=message):
     nn.GatedDeltaNet(rngs=nnx.Rngs(0), **options)
+
+
+def _grouped_as_ungrouped(layer):
+  """A layer with H = HV heads that computes what the grouped ``layer`` does.
+
+  Its q/k head ``j`` is the grouped layer's q/k head ``j // G`` (projection
+  rows and convolution channels repeated); every other parameter is shared.
+  """
+  h, hv, dk = layer.num_heads, layer.num_v_heads, layer.head_dim
+  plain = nn.GatedDeltaNet(D_MODEL, hv, rngs=nnx.Rngs(9), head_dim=dk,
+                           value_head_dim=layer.value_head_dim,
+                           chunk_size=layer.chunk_size)
+  state = nnx.state(layer, nnx.Param)
+  kernel = state["qkv_proj"]["kernel"][...]
+  conv = state["conv_kernel"][...]
+  def repeat_qk(w):  # [..., 2 H K + HV V] -> [..., 2 HV K + HV V]
+    q, k, v = np.split(np.asarray(w), [h * dk, 2 * h * dk], axis=-1)
+    expand = lambda z: np.repeat(z.reshape(*z.shape[:-1], h, dk), hv // h,
+                                 axis=-2).reshape(*z.shape[:-1], hv * dk)
+    return np.concatenate([expand(q), expand(k), v], axis=-1)
+  state["qkv_proj"]["kernel"] = nnx.Param(jnp.asarray(repeat_qk(kernel)))
+  state["conv_kernel"] = nnx.Param(jnp.asarray(repeat_qk(conv)))
+  nnx.update(plain, state)
+  return plain
+
+
+def test_grouped_value_heads_read_key_head_j_over_g():
+  layer = _layer(nn.GatedDeltaNet, num_v_heads=6, head_dim=8,
+                 value_head_dim=4, chunk_size=16)
+  cache = layer.init_cache(2)
+  assert cache.conv.shape == (2, 3, 2 * HEADS * 8 + 6 * 4)
+  assert cache.state.shape == (2, 6, 8, 4)
+  assert layer.b_proj.kernel.shape == (D_MODEL, 6)
+  assert layer.A_log.shape == layer.dt_bias.shape == (6,)
+  x = _inputs((2, 11, D_MODEL))
+  np.testing.assert_allclose(layer(x), _grouped_as_ungrouped(layer)(x),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
+def test_grouped_value_heads_decode_token_by_token(cls):
+  layer = _layer(cls, num_v_heads=4, chunk_size=16)
+  assert layer.log_decay(_inputs((1, 3, D_MODEL))).shape[2] == 4
+  x = _inputs((2, 9, D_MODEL))
+  cache, pieces = layer.init_cache(2), []
+  for start, stop in [(0, 4), *((i, i + 1) for i in range(4, 9))]:
+    y, cache = layer(x[:, start:stop], cache=cache)
+    pieces.append(y)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), layer(x),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_left_padding_gives_the_unpadded_outputs_and_zeros(cls):
+  """Garbage at padded positions reaches neither the state nor the convolution."""
+  layer = _layer(cls, num_v_heads=4, chunk_size=16)
+  x = _inputs((2, 10, D_MODEL))
+  mask = jnp.arange(10)[None, :] >= jnp.array([[0], [4]])
+  y = layer(x, mask=mask)
+  np.testing.assert_allclose(y[0], layer(x[:1])[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y[1, 4:], layer(x[1:, 4:])[0], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_array_equal(y[1, :4], 0)
+
+
+@pytest.mark.parametrize("cls, output_gate", [
+    (nn.GatedDeltaNet, "silu"), (nn.KimiDeltaAttention, "sigmoid"),
+    (nn.DeltaNet, "sigmoid")])
+def test_padding_inside_a_sequence_leaves_the_state_unchanged(cls,
+                                                              output_gate):
+  """[A, 3 pads, C]: C continues A's state, its window sees only zeros."""
+  # conv_size 4: the 3 pads fill C's window.
+  layer = _layer(cls, chunk_size=16, output_gate=output_gate)
+  x = _inputs((1, 12, D_MODEL))
+  mask = (jnp.arange(12) < 5) | (jnp.arange(12) >= 8)
+  y, cache = layer(x, cache=layer.init_cache(1), mask=mask[None])
+  y_a, after_a = layer(x[:, :5], cache=layer.init_cache(1))
+  y_c, after_c = layer(x[:, 8:], cache=after_a._replace(
+      conv=jnp.zeros_like(after_a.conv)))
+  np.testing.assert_allclose(y[:, :5], y_a, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(y[:, 5:8], 0)
+  np.testing.assert_allclose(y[:, 8:], y_c, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(cache.state, after_c.state, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_masked_decoding_step_keeps_the_state():
+  layer = _layer(nn.KimiDeltaAttention)
+  _, cache = layer(_inputs((2, 5, D_MODEL)), cache=layer.init_cache(2))
+  y, stepped = layer(_inputs((2, 1, D_MODEL), seed=3), cache=cache,
+                     mask=jnp.array([[False], [True]]))
+  np.testing.assert_array_equal(y[0], 0)
+  np.testing.assert_array_equal(stepped.state[0], cache.state[0])
+  assert not np.allclose(stepped.state[1], cache.state[1])
+
+
+def test_segment_aware_conv_equals_separate_convs():
+  x = _inputs((1, 9, 5))
+  kernel = _inputs((3, 5), seed=2)
+  ids = jnp.array([[0, 0, 0, 0, 7, 7, 2, 2, 2]])
+  zeros = jnp.zeros((1, 2, 5))
+  y, _ = nn.causal_depthwise_conv(x, kernel, zeros, ids)
+  pieces = [nn.causal_depthwise_conv(x[:, a:b], kernel, zeros)[0]
+            for a, b in [(0, 4), (4, 6), (6, 9)]]
+  np.testing.assert_allclose(y, jnp.concatenate(pieces, axis=1), rtol=1e-6,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_packed_segments_equal_separate_sequences(cls):
+  layer = _layer(cls, num_v_heads=4, chunk_size=16)
+  x = _inputs((1, 21, D_MODEL))
+  bounds = [(0, 7), (7, 9), (9, 21)]
+  ids = jnp.concatenate([jnp.full((b - a,), i, jnp.int32)
+                         for i, (a, b) in enumerate(bounds)])[None]
+  separate = jnp.concatenate([layer(x[:, a:b]) for a, b in bounds], axis=1)
+  np.testing.assert_allclose(layer(x, segment_ids=ids), separate, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_low_rank_gates_and_sigmoid_output_gate():
+  layer = _layer(nn.KimiDeltaAttention, gate_rank=3, output_gate_rank=5,
+                 output_gate="sigmoid")
+  assert [l.kernel.shape for l in layer.a_proj.layers] == [(D_MODEL, 3),
+                                                           (3, D_MODEL)]
+  assert [l.kernel.shape for l in layer.g_proj.layers] == [(D_MODEL, 5),
+                                                           (5, D_MODEL)]
+  x = _inputs((1, 4, D_MODEL))
+  h, dk = HEADS, D_MODEL // HEADS
+  gate = layer.g_proj(x).reshape(1, 4, h, dk)
+  o = layer.o_norm(jnp.ones((1, 4, h, dk)))
+  np.testing.assert_allclose(layer._gated_norm(jnp.ones((1, 4, h, dk)), x),
+                             o * jax.nn.sigmoid(gate), rtol=1e-6)
+
+
+def test_l2_normalize_forms_agree():
+  x = _inputs((3, 7))
+  np.testing.assert_allclose(nn.l2_normalize(x, divide=True),
+                             nn.l2_normalize(x), rtol=1e-6)
+  np.testing.assert_allclose(nn.l2_normalize(x, divide=True),
+                             x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True)
+                                          + 1e-6), rtol=1e-7)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(num_heads=0), ValueError, "num_heads"),
+    (dict(num_v_heads=3), ValueError, "num_v_heads=3 must be a multiple"),
+    (dict(chunk_size=8), ValueError, r"chunk_size must be one of \(16, 32"),
+    (dict(chunk_size=128), ValueError, "chunk_size"),
+    (dict(output_gate="relu"), ValueError, "output_gate"),
+    (dict(gate_rank=0), ValueError, "gate_rank"),
+])
+def test_invalid_layer_options_name_the_argument(options, error, message):
+  options = dict(dict(d_model=D_MODEL, num_heads=HEADS), **options)
+  with pytest.raises(error, match=message):
+    nn.GatedDeltaNet(rngs=nnx.Rngs(0), **options)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda l: l(_inputs((2, 5, D_MODEL + 1))), ValueError,
+     r"x must have shape \[B, T, d_model\] with d_model=32"),
+    (lambda l: l(_inputs((5, D_MODEL))), ValueError, "x must have shape"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)), cache=l.init_cache(3)),
+     ValueError, r"cache must have .* batch size 2"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)), mask=jnp.ones((2, 4), bool)),
+     ValueError, r"mask must have shape \[B, T\] = \(2, 5\)"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)), mask=jnp.ones((2, 5))),
+     TypeError, "mask must have bool"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)),
+                 segment_ids=jnp.zeros((5,), jnp.int32)),
+     ValueError, r"segment_ids must have shape \[B, T\]"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)), segment_ids=jnp.zeros((2, 5))),
+     TypeError, "segment_ids must have an integer dtype"),
+    (lambda l: l(_inputs((2, 5, D_MODEL)), cache=l.init_cache(2),
+                 segment_ids=jnp.zeros((2, 5), jnp.int32)),
+     ValueError, "segment_ids .* cannot be combined with cache"),
+])
+def test_invalid_call_arguments_name_the_argument(call, error, message):
+  with pytest.raises(error, match=message):
+    call(_layer(nn.GatedDeltaNet, num_v_heads=4))

@@ -1,7 +1,9 @@
-"""The README's runnable example (the Flax model in section "## API") runs."""
+"""The README's runnable examples (sections "## API" and "## Real models: ...") run."""
 
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -14,14 +16,29 @@ def _section(markdown: str, heading: str) -> str:
 
 
 def _runnable_python_blocks(text: str):
-  """```python blocks that import deltajax (the others list signatures)."""
+  """```python blocks that import deltajax or a module of it (the others list signatures)."""
   blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
-  return [b for b in blocks if re.search(r"^import deltajax$", b, re.MULTILINE)]
+  return [b for b in blocks
+          if re.search(r"^import deltajax(\.\w+)?$", b, re.MULTILINE)]
+
+
+def _run_section(heading: str):
+  """Executes the one runnable block of the section ``heading``."""
+  blocks = _runnable_python_blocks(
+      _section((ROOT / "README.md").read_text(), heading))
+  assert len(blocks) == 1
+  exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})  # pylint: disable=exec-used
 
 
 def test_api_example_runs(capsys):
-  blocks = _runnable_python_blocks(
-      _section((ROOT / "README.md").read_text(), "## API"))
-  assert len(blocks) == 1
-  exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})  # pylint: disable=exec-used
+  _run_section("## API")
   assert "(2, 100, 64)" in capsys.readouterr().out
+
+
+def test_real_models_example_runs(capsys):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  _run_section("## Real models: Qwen3-Next, Qwen3.5, Kimi Linear")
+  out = capsys.readouterr().out
+  difference = float(re.search(r"from transformers: (\S+)", out).group(1))
+  assert difference < 1e-4, out
