@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import deltajax
-from deltajax import registry
 from deltajax import pallas
+from deltajax import registry
 from deltajax.pallas import core
 from deltajax.pallas import ops
 from deltajax.pallas import ut
+import utils
 
 pytestmark = pytest.mark.skipif(
     pallas.gpu_capability() is not None,
@@ -21,19 +22,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _inputs(shape, seed):
-  """numpy q, k (unit rows), v, a (GDN gate), b, initial state; cotangents."""
+  """numpy q, k (unit rows), v, a (GDN gate), b in (0.05, 1.95), initial
+  state; cotangents."""
   bsz, t, h, dk, dv = shape
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((bsz, t, h, dk))
-  k = rng.standard_normal((bsz, t, h, dk))
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  v = rng.standard_normal((bsz, t, h, dv))
-  a = -np.logaddexp(0, rng.standard_normal((bsz, t, h)))
-  b = rng.uniform(0.05, 1.95, (bsz, t, h))
-  s0 = rng.standard_normal((bsz, h, dk, dv))
-  cts = (rng.standard_normal((bsz, t, h, dv)),
-         rng.standard_normal((bsz, h, dk, dv)))
-  return (q, k, v, a, b, s0), cts
+  x = utils.random_inputs(seed, batch=bsz, length=t, heads=h, key_dim=dk,
+                          value_dim=dv, state_scale=1.0)
+  x = x._replace(b=np.random.default_rng(seed).uniform(0.05, 1.95, x.b.shape))
+  return tuple(x), utils.random_cotangents(seed, x)
 
 
 def _value_and_grads(impl, args, cts, chunk_size):
