@@ -98,6 +98,11 @@ def main():
   args = parser.parse_args()
   import torch
   import transformers
+  try:  # fla's GDN backward refuses Hopper with Triton < 3.7.1 (its #640);
+    import fla.ops.common.chunk_o  # timing only (ANCHORS.md)
+    fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True
+  except ImportError:
+    pass
   print(f"jax {jax.__version__}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, {jax.devices()[0].device_kind}")
   print("| layer | T | transformers fwd / fwd+bwd ms | deltajax fwd / fwd+bwd "
