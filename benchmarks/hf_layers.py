@@ -34,7 +34,7 @@ MODELS = {
                         linear_head_dim=128, linear_conv_kernel_dim=4,
                         num_key_value_heads=32, kv_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        mlp_layer_types=["dense"]),
+                        mlp_layer_types=["dense"], num_hidden_layers=1),
 }
 
 
