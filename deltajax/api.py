@@ -21,10 +21,7 @@ from deltajax import registry
 
 IMPLEMENTATIONS = registry.IMPLEMENTATIONS
 
-# a = -inf (full forget) is clamped here: exp(-200) is 0 in float32 and
-# negligible in float64, and a finite gate keeps the chunk-local cumulative
-# sums (and their differences, GDN seed 4.1) free of inf - inf.
-LOG_DECAY_FLOOR = -200.0
+LOG_DECAY_FLOOR = common.LOG_DECAY_FLOOR  # a = -inf is clamped here
 L2_EPS = 1e-6
 
 _FORMS = ("the accepted forms are q, k [B, T, H, K], v [B, T, HV, V], "

@@ -32,6 +32,13 @@ import numpy as np
 
 SUB = 16  # block size of the blocked triangular inverse
 
+# api clamps the log decay at this floor (a = -inf forgets fully): exp(-200)
+# is 0 in float32 and negligible in float64, and finite gates keep the
+# cumulative sums free of inf - inf. A token at the floor is a cut inside a
+# chunk (:meth:`ChunkGate.of`), so that the gates after it keep their
+# precision instead of sitting 200 below the chunk's start.
+LOG_DECAY_FLOOR = -200.0
+
 
 def compute_dtype(*arrays) -> jnp.dtype:
   """float32, or float64 when any input is float64 (under ``jax_enable_x64``)."""
@@ -101,9 +108,16 @@ class ChunkGate(NamedTuple):
 
   @classmethod
   def of(cls, a, cut, axis: int) -> "ChunkGate":
-    """Cumulative sums of ``a`` and ``cut`` along the chunk's token ``axis``."""
-    n = None if cut is None else jnp.cumsum(cut.astype(jnp.int32), axis=axis)
-    return cls(jnp.cumsum(a, axis=axis), n)
+    """Cumulative sums of ``a`` and of the cuts along the chunk's token ``axis``.
+
+    A token whose ``a`` is at :data:`LOG_DECAY_FLOOR` (a full forget) counts
+    as a cut with ``a = 0``.
+    """
+    forget = a <= LOG_DECAY_FLOOR
+    cut = forget if cut is None else cut | forget
+    # int16: a chunk has at most 256 tokens.
+    n = jnp.cumsum(cut.astype(jnp.int16), axis=axis, dtype=jnp.int16)
+    return cls(jnp.cumsum(jnp.where(forget, 0.0, a), axis=axis), n)
 
   def _end(self, x):
     return x[..., -1:, :]
