@@ -35,14 +35,24 @@ def _assert_close(got, want):
     assert utils.relative_max_error(g, w) < TOL, utils.relative_max_error(g, w)
 
 
-def _check_vjp(fn, ref, args, seed):
-  """Outputs and every gradient of ``fn`` equal ``ref``'s (float64)."""
-  outputs, ref_pullback = jax.vjp(ref, *args)
-  cotangents = tuple(jnp.asarray(np.random.default_rng(seed).standard_normal(
-      o.shape)) for o in outputs)
+_REFERENCES = {}  # the reference's values and gradients, shared by the impls
+
+
+def _check_vjp(fn, ref, args, seed, key):
+  """Outputs and every gradient of ``fn`` equal ``ref``'s (float64).
+
+  ``key`` names the reference computation (the same for every
+  implementation), which runs once.
+  """
+  if key not in _REFERENCES:
+    outputs, ref_pullback = jax.vjp(ref, *args)
+    cotangents = tuple(jnp.asarray(np.random.default_rng(seed).standard_normal(
+        o.shape)) for o in outputs)
+    _REFERENCES[key] = outputs, cotangents, ref_pullback(cotangents)
+  outputs, cotangents, grads = _REFERENCES[key]
   got, pullback = jax.vjp(fn, *args)
   _assert_close(got, outputs)
-  _assert_close(pullback(cotangents), ref_pullback(cotangents))
+  _assert_close(pullback(cotangents), grads)
 
 
 CU_SEQLENS = ([0, 15, 100, 300, 1200, 2000], [0, 122, 229, 400, 1000], [0, 1],
@@ -65,7 +75,8 @@ def test_cu_seqlens_equal_sequence_by_sequence(impl, cu_seqlens, gate):
                              chunk_size=16)
 
   ref = functools.partial(reference.sequence_by_sequence, cu_seqlens=cu)
-  _check_vjp(fn, lambda *a: ref(*a), args, seed=1)
+  _check_vjp(fn, lambda *a: ref(*a), args, seed=1,
+             key=("cu_seqlens", tuple(cu_seqlens), gate))
 
 
 SEGMENT_IDS = np.array([[0] * 7 + [1] * 30 + [2] * 1 + [3] * 12,
@@ -86,7 +97,7 @@ def test_segment_ids_equal_segment_by_segment(impl, gate):
 
   ref = functools.partial(reference.segment_by_segment,
                           segment_ids=SEGMENT_IDS)
-  _check_vjp(fn, lambda *a: ref(*a), args, seed=2)
+  _check_vjp(fn, lambda *a: ref(*a), args, seed=2, key=("segment_ids", gate))
 
 
 def test_cu_seqlens_may_be_traced_without_recompiling():
@@ -119,7 +130,8 @@ def test_grouped_value_heads_equal_repeated_keys(impl, gate, heads):
                           key_dim=6, value_dim=5, per_channel=gate == "kda")
   args = tuple(jnp.asarray(t) for t in x)
   fn = functools.partial(utils.gated_delta, impl, scale=1.0, chunk_size=16)
-  _check_vjp(fn, reference.plain_scan_grouped, args, seed=3)
+  _check_vjp(fn, reference.plain_scan_grouped, args, seed=3,
+             key=("grouped", heads, gate))
 
 
 @pytest.mark.usefixtures("x64")
@@ -147,7 +159,7 @@ def test_fused_options_equal_their_unfused_form(impl, gate):
                              2 * jax.nn.sigmoid(raw_b), s0, chunk_size=16)
 
   _check_vjp(fused, unfused, (q, k, v, raw_a, raw_b, s0, a_log, dt_bias),
-             seed=4)
+             seed=4, key=("fused", gate))
 
 
 @pytest.mark.parametrize("feature", ("packed", "grouped"))
