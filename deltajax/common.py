@@ -152,38 +152,37 @@ def _roll_rows(x: jax.Array, d) -> jax.Array:
 class _ChannelBlocks(NamedTuple):
   """The per-channel decay of one chunk, in pieces that never hold ``[C, C, K]``.
 
-  The chunk is cut into ``nS`` sub-chunks of ``S`` tokens (the KDA seed's
-  16-token diagonal blocks). Pairs inside a sub-chunk (offsets
-  ``d = i - j < S``) take ``exp(g_i - g_j)`` per element, one offset at a
-  time (:meth:`band`, formed where it is used). A pair of sub-chunks
-  ``J < I`` factors through ``rho_J``, the log gate at the end of ``J``:
-  ``exp(g_i - rho_J) exp(rho_J - g_j)``, both exponents ``<= 0``, so no
-  exponent of a positive number is ever taken, however strong the gate.
+  The chunk is cut into sub-chunks of ``S`` tokens (the KDA seed's 16-token
+  diagonal blocks). Pairs inside a sub-chunk (offsets ``d = i - j < S``)
+  take ``exp(g_i - g_j)`` per element, one offset at a time (:meth:`band`,
+  formed where it is used). Block row ``I`` (the tokens of sub-chunk ``I``
+  against every earlier sub-chunk) factors through ``r_I``, the log gate at
+  the last token before sub-chunk ``I``: ``exp(g_i - r_I) exp(r_I - g_j)``,
+  both exponents ``<= 0``, so no exponent of a positive number is ever
+  taken, however strong the gate.
   """
   gate: ChunkGate
   sub: int
 
-  def _split(self, x):
-    """``[..., C, K]`` -> ``[..., nS, S, K]``."""
-    return x.reshape(*x.shape[:-2], -1, self.sub, x.shape[-1])
+  def rows(self) -> range:
+    """The block rows with earlier sub-chunks: ``1 .. C / S - 1``."""
+    return range(1, self.gate.g.shape[-2] // self.sub)
 
-  def _ends(self, x):
-    """``[..., nS, 1, K]``: each sub-chunk's last row."""
-    return self._split(x)[..., -1:, :]
+  def row_factors(self, row: int) -> tuple[jax.Array, jax.Array]:
+    """``(exp(g_i - r), exp(r - g_j))`` ``[..., S, K]`` and ``[..., row S, K]``.
 
-  def to_block_end(self) -> jax.Array:
-    """``[..., nS, S, K]``: ``exp(rho_J - g_j)``, j in sub-chunk J."""
+    ``i`` runs over sub-chunk ``row``, ``j`` over the tokens before it, and
+    ``r`` is the gate at token ``row S - 1``; zero across a cut.
+    """
     g, n = self.gate
-    mask = True if n is None else self._split(n) == self._ends(n)
-    return _masked_exp(self._ends(g) - self._split(g), mask)
-
-  def from_block_end(self, row: int, block: int) -> jax.Array:
-    """``[..., S, K]``: ``exp(g_i - rho_J)``, ``J = block``, i in sub-chunk ``row``."""
-    g, n = self.gate
-    end = self._ends(g)[..., block, :, :]
-    mask = True if n is None else (
-        self._split(n)[..., row, :, :] == self._ends(n)[..., block, :, :])
-    return _masked_exp(self._split(g)[..., row, :, :] - end, mask)
+    start, stop = row * self.sub, (row + 1) * self.sub
+    ref = g[..., start - 1:start, :]
+    after, before = g[..., start:stop, :], g[..., :start, :]
+    if n is None:
+      return jnp.exp(after - ref), jnp.exp(ref - before)
+    n_ref = n[..., start - 1:start, :]
+    return (_masked_exp(after - ref, n[..., start:stop, :] == n_ref),
+            _masked_exp(ref - before, n[..., :start, :] == n_ref))
 
   def band(self, d) -> jax.Array:
     """``[..., C, K]``: the decay from token ``i - d`` to ``i`` in one sub-chunk.
@@ -209,16 +208,15 @@ class _ChannelBlocks(NamedTuple):
 
 def _channel_scores(x, y, blocks: _ChannelBlocks, strict: bool):
   """:func:`decayed_scores` for a per-channel gate, from :class:`_ChannelBlocks`."""
-  xs, ys = blocks._split(x), blocks._split(y) * blocks.to_block_end()
-  n_sub, sub = xs.shape[-3:-1]
-  rows = []
-  for i in range(n_sub):
-    row = [jnp.einsum("...ik,...jk->...ij",
-                      xs[..., i, :, :] * blocks.from_block_end(i, j),
-                      ys[..., j, :, :]) for j in range(i)]
-    row += [jnp.zeros((*x.shape[:-2], sub, sub), x.dtype)] * (n_sub - i)
-    rows.append(jnp.concatenate(row, axis=-1))
+  c, sub = x.shape[-2], blocks.sub
+  rows = [jnp.zeros((*x.shape[:-2], sub, c), x.dtype)]
+  for i in blocks.rows():
+    left, right = blocks.row_factors(i)
+    block = jnp.einsum("...ik,...jk->...ij", x[..., i * sub:(i + 1) * sub, :]
+                       * left, y[..., :i * sub, :] * right)
+    rows.append(pad_axis(block, -1, c))
   scores = jnp.concatenate(rows, axis=-2)
+
   def diagonal(d, diagonals):
     values = jnp.sum(x * _roll_rows(y, d) * blocks.band(d), axis=-1)
     return lax.dynamic_update_slice_in_dim(diagonals, values[..., None], d, -1)
@@ -231,19 +229,16 @@ def _channel_scores(x, y, blocks: _ChannelBlocks, strict: bool):
 
 def _channel_scores_vjp(d_scores, x, y, blocks: _ChannelBlocks, strict: bool):
   """``(dx, dy)`` of :func:`_channel_scores`."""
-  to_end = blocks.to_block_end()
-  xs, ys = blocks._split(x), blocks._split(y) * to_end
-  n_sub, sub = xs.shape[-3:-1]
-  dxs = [jnp.zeros_like(xs[..., 0, :, :]) for _ in range(n_sub)]
-  dys = [jnp.zeros_like(xs[..., 0, :, :]) for _ in range(n_sub)]
-  for i in range(1, n_sub):
-    for j in range(i):
-      d_block = d_scores[..., i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
-      from_end = blocks.from_block_end(i, j)
-      dxs[i] += (d_block @ ys[..., j, :, :]) * from_end
-      dys[j] += jnp.swapaxes(d_block, -1, -2) @ (xs[..., i, :, :] * from_end)
-  dx = jnp.concatenate(dxs, axis=-2)
-  dy = (jnp.stack(dys, axis=-3) * to_end).reshape(y.shape)
+  sub = blocks.sub
+  dx, dy = jnp.zeros_like(x), jnp.zeros_like(y)
+  for i in blocks.rows():
+    left, right = blocks.row_factors(i)
+    rows = slice(i * sub, (i + 1) * sub)
+    d_block = d_scores[..., rows, :i * sub]
+    dx = dx.at[..., rows, :].set((d_block @ (y[..., :i * sub, :] * right))
+                                 * left)
+    dy = dy.at[..., :i * sub, :].add(
+        (jnp.swapaxes(d_block, -1, -2) @ (x[..., rows, :] * left)) * right)
   i, j, d = blocks.band_index(strict)
   d_diagonals = jnp.zeros((*x.shape[:-1], sub), x.dtype).at[..., i, d].set(
       d_scores[..., i, j])
