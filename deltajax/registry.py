@@ -108,7 +108,7 @@ REGISTRY = {
         "chunked", chunked.gated_delta_chunked, gates=GATES,
         chunk_sizes=CHUNK_SIZES),
     "pallas": Implementation(
-        "pallas", pallas.gated_delta_pallas, gates=("head",),
+        "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY),
 }

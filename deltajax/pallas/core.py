@@ -192,8 +192,111 @@ def causal(c: int, *, strict: bool):
 
 
 def last(x):
-  """The last entry of a vector, without slicing a value."""
-  return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0))
+  """The last entry of ``x [C]`` (the last row ``[K]`` of ``x [C, K]``),
+  without slicing a value."""
+  return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0), axis=0)
+
+
+def assemble(tiles, n: int):
+  """The ``[C, C]`` matrix (``C = 16 n``) from its ``[16, 16]`` tiles
+  ``{(i, j): tile}`` (absent tiles are 0)."""
+  shape = (n, SUB, n, SUB)
+  bi, bj = iota(shape, 0), iota(shape, 2)
+  full = sum(jnp.where((bi == i) & (bj == j), x[None, :, None, :], 0)
+             for (i, j), x in tiles.items())
+  return full.reshape(n * SUB, n * SUB)
+
+
+def rows_of(x, i: int):
+  """Rows ``16 i .. 16 i + 15`` of a value ``x [C, D]``: ``[16, D]`` (no
+  slicing of values in Triton: a masked sum)."""
+  n = x.shape[0] // SUB
+  x = x.reshape(n, SUB, x.shape[1])
+  return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0), axis=0)
+
+
+def cols_of(x, j: int):
+  """Columns ``16 j .. 16 j + 15`` of a value ``x [16, C]``: ``[16, 16]``."""
+  n = x.shape[1] // SUB
+  x = x.reshape(SUB, n, SUB)
+  return jnp.sum(jnp.where(iota(x.shape, 1) == j, x, 0), axis=1)
+
+
+def place_rows(tiles, n: int):
+  """``[16 n, D]`` from row tiles ``{i: [16, D]}`` (absent tiles are 0)."""
+  d = next(iter(tiles.values())).shape[1]
+  which = iota((n, SUB, d), 0)
+  full = sum(jnp.where(which == i, x[None], 0) for i, x in tiles.items())
+  return full.reshape(n * SUB, d)
+
+
+def reverse_cumsum(x, dot: Dot):
+  """``y_i = sum_{j >= i} x_j`` over the rows of ``x [C]`` or ``[C, K]`` (no
+  reverse cumsum in Triton: a masked sum, for ``[C, K]`` an exact product
+  with the upper triangle of ones)."""
+  c = x.shape[0]
+  rows, cols = iota((c, c), 0), iota((c, c), 1)
+  if x.ndim == 1:
+    return jnp.sum(jnp.where(cols >= rows, x[None, :], 0), axis=1)
+  upper = jnp.where(cols >= rows, 1, 0).astype(x.dtype)
+  return dot(upper, x, precision="ieee")
+
+
+# A gate of width W in {1, K}: g is ``[C]`` (scalar gate, one decay per
+# token) or ``[C, K]`` (per channel); cut counts are per token, ``[C]``. The
+# helpers below let one kernel body serve both widths; for W = 1 they do
+# exactly the scalar gate's work.
+
+
+def per_channel(g) -> bool:
+  """Whether the chunk's gate ``g`` (``[C]`` or ``[C, K]``) is per channel."""
+  return len(g.shape) == 2
+
+
+def on_keys(e, rows=None):
+  """A per-token decay ``e`` (``[C]`` or ``[C, K]``), times the per-token
+  ``rows [C]`` (or None), as a factor of ``[C, K]`` key rows."""
+  if e.ndim == 1:
+    return (e if rows is None else rows * e)[:, None]
+  return e if rows is None else rows[:, None] * e
+
+
+def on_state(e):
+  """The chunk's state decay (a scalar, or ``[K]`` per channel) as a factor
+  of the ``[K, V]`` state."""
+  return e if e.ndim == 0 else e[:, None]
+
+
+def key_sum(x, g, axis: int = -1):
+  """``x`` summed over its key ``axis`` for a scalar gate ``g``; ``x`` as is
+  for a per-channel one (a gate cotangent reduced to the gate's width)."""
+  return x if per_channel(g) else jnp.sum(x, axis=axis)
+
+
+def decayed_dot(e, k, s, dot: Dot):
+  """``(K * e) S`` for keys ``k [C, K]``, ``s [K, V]``: the decay ``e`` of
+  :func:`on_keys` applied after the product for a scalar gate, to the keys
+  (in k's dtype) for a per-channel one."""
+  if e.ndim == 1:
+    return e[:, None] * dot(k, s.astype(k.dtype))
+  return dot((k * e).astype(k.dtype), s.astype(k.dtype))
+
+
+def decayed_dot_t(e, k, x, dot: Dot):
+  """``(K * e)^T X`` for ``k [C, K]``, ``x [C, V]``, like :func:`decayed_dot`."""
+  if e.ndim == 1:
+    return dot(k, (x * e[:, None]).astype(k.dtype), trans_a=True)
+  return dot((k * e).astype(k.dtype), x.astype(k.dtype), trans_a=True)
+
+
+def gate_spec(g, rows: int, index_map):
+  """BlockSpec of the cumulative gate ``g``: ``[B, HV, T]`` (``rows`` tokens
+  at ``index_map``'s block) or ``[B, HV, T, K]`` (the same tokens, every key
+  channel)."""
+  if g.ndim == 3:
+    return block(None, None, rows)(index_map)
+  return block(None, None, rows, g.shape[-1])(
+      lambda *idx: (*index_map(*idx), 0))
 
 
 # Masked decays. Within a chunk, g is the cumulative log gate and c the
@@ -204,36 +307,47 @@ def last(x):
 # difference is positive and can overflow).
 
 
+def masked_exp(x, mask):
+  """``exp(x)`` where ``mask``, else 0, masked before ``exp``."""
+  return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+def _like(c, g):
+  """Cut counts ``[C]`` broadcast against a gate ``[C]`` or ``[C, K]``."""
+  return c if c.ndim == g.ndim else c[:, None]
+
+
 def decay(g_i, g_j, mask, c_i=None, c_j=None):
-  """``[C_i, C_j]``: ``exp(g_i - g_j)`` on ``mask`` where ``c_i == c_j``, else 0.
+  """``[C_i, C_j]``: ``exp(g_i - g_j)`` on ``mask`` where ``c_i == c_j``, else 0
+  (a scalar gate).
 
   ``mask`` may be a Python bool (True: no causal mask, a block below the
   diagonal).
   """
   if c_i is not None:
     mask = mask & (c_i[:, None] == c_j[None, :])
-  return jnp.exp(jnp.where(mask, g_i[:, None] - g_j[None, :], -jnp.inf))
+  return masked_exp(g_i[:, None] - g_j[None, :], mask)
 
 
 def from_start(g, c=None):
-  """``[C]``: the decay from the chunk's entry state to each token, ``exp(g)``;
-  0 from the first cut on."""
+  """``[C]`` (``[C, K]`` per channel): the decay from the chunk's entry state
+  to each token, ``exp(g)``; 0 from the first cut on."""
   if c is None:
     return jnp.exp(g)
-  return jnp.exp(jnp.where(c == 0, g, -jnp.inf))
+  return masked_exp(g, _like(c == 0, g))
 
 
 def to_end(g, g_end, c=None, c_end=None):
-  """``[C]``: the decay from each token to the chunk's end, ``exp(g_C - g)``;
-  0 for tokens before the chunk's last cut."""
+  """``[C]`` (``[C, K]``): the decay from each token to the chunk's end,
+  ``exp(g_C - g)``; 0 for tokens before the chunk's last cut."""
   if c is None:
     return jnp.exp(g_end - g)
-  return jnp.exp(jnp.where(c == c_end, g_end - g, -jnp.inf))
+  return masked_exp(g_end - g, _like(c == c_end, g))
 
 
 def over_chunk(g_end, c_end=None):
-  """Scalar: the entry state's decay over the chunk, ``exp(g_C)``; 0 when the
-  chunk has a cut."""
+  """Scalar (``[K]``): the entry state's decay over the chunk, ``exp(g_C)``;
+  0 when the chunk has a cut."""
   if c_end is None:
     return jnp.exp(g_end)
   return jnp.where(c_end == 0, jnp.exp(g_end), 0)

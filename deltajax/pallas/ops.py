@@ -39,13 +39,13 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       k, v for the kernels' dots).
     v: ``[B, T, HV, V]``, ``HV = G H``: value head j reads q/k head
       ``j // G`` (grouped value heads).
-    a: ``[B, T, HV, 1]`` log decay ``<= 0`` in the compute dtype (a
-      per-channel gate raises NotImplementedError).
+    a: ``[B, T, HV, W]`` log decay ``<= 0`` in the compute dtype: ``W = 1``
+      (Gated DeltaNet) or ``W = K`` (KDA, per key channel).
     b: ``[B, T, HV]`` beta, compute dtype.
     initial_state: ``[N, HV, K, V]`` compute dtype; N = B without chunk_seq.
-    cut: None or bool ``[B, T, HV, 1]``: where True, the state carried into
-      the token is replaced by zero before its decay and update (its a is
-      then irrelevant and gets a zero gradient).
+    cut: None or bool of a's shape, equal across the channels: where True,
+      the state carried into the token is replaced by zero before its decay
+      and update (its a is then irrelevant and gets a zero gradient).
     chunk_seq: None or int32 ``[T / chunk_size]`` (then B = 1): the
       non-decreasing sequence index of each chunk. A sequence's first chunk
       starts from ``initial_state[seq]``; its final state is the one leaving
@@ -59,10 +59,6 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     compute dtype)``. Differentiable (custom VJP) in q, k, v, a, b and
     initial_state.
   """
-  if a.shape[-1] != 1:
-    raise NotImplementedError(
-        "impl='pallas' has kernels for the scalar (Gated DeltaNet) gate; use "
-        "impl='chunked' for a per-channel (KDA) gate (impl='auto' does).")
   if chunk_size < core.SUB or chunk_size & (chunk_size - 1):
     raise ValueError(f"impl='pallas' needs chunk_size >= {core.SUB}, a power "
                      f"of two; got {chunk_size}")
@@ -81,21 +77,23 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                  initial_state, cut, chunk_seq)
 
 
-def _gates(a, b, cut, chunk_size, dtype):
-  """``[B, T, HV, 1]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
-  ``[B, HV, T]`` chunk-local cumulative gate, beta and cumulative cut count
-  (int32, or None). The gate of a cut token is irrelevant: it is taken as 0."""
-  bsz, t_len, heads, _ = a.shape
-  to_heads = lambda x: jnp.transpose(x[..., 0], (0, 2, 1))
+def _gates(a, b, cut, chunk_size, dtype, k_dim):
+  """``[B, T, HV, W]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
+  the chunk-local cumulative gate, ``[B, HV, T]`` (W = 1) or
+  ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]`` and
+  the cumulative cut count (int32 ``[B, HV, T]``, or None; a cut is per
+  token). The gate of a cut token is irrelevant: it is taken as 0."""
+  bsz, t_len, heads, width = a.shape
+  to_heads = lambda x: jnp.moveaxis(x, 1, 2)
   chunk_cumsum = lambda x: jnp.cumsum(
-      x.reshape(bsz, heads, t_len // chunk_size, chunk_size),
-      axis=-1).reshape(bsz, heads, t_len)
-  a = to_heads(a).astype(dtype)
+      x.reshape(bsz, heads, t_len // chunk_size, chunk_size, *x.shape[3:]),
+      axis=3).reshape(x.shape)
+  a = a.astype(dtype)
   cuts = None
   if cut is not None:
-    cut = to_heads(cut)
     a = jnp.where(cut, 0, a)
-    cuts = chunk_cumsum(cut.astype(jnp.int32))
+    cuts = chunk_cumsum(to_heads(cut[..., 0]).astype(jnp.int32))
+  a = to_heads(a[..., 0] if width == 1 else common.pad_axis(a, 3, k_dim))
   return chunk_cumsum(a), jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
 
 
@@ -132,8 +130,8 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
   qp, kp, vp = _padded(q, k, v)
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
                  launch=config.inverse, **shared)
@@ -163,8 +161,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc)
   qp, kp, vp = _padded(q, k, v)
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
@@ -181,7 +179,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, launch=config.ut_backward, **shared)
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
-  da = jnp.transpose(da, (0, 2, 1))[..., None]
+  da = jnp.moveaxis(da, 1, 2)
+  da = da[..., None] if a.shape[-1] == 1 else da[..., :n_k]
   if cut is not None:
     da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))

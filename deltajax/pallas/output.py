@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from deltajax.pallas import core
+from deltajax.pallas import scores
 
 
-def _scores(q, k, g, cuts, scale, dot):
-  """``(Gamma * scale Q K^T, Gamma)`` on ``j <= i``; ``[C, C]``."""
-  e = core.decay(g, g, core.causal(q.shape[0], strict=False), cuts, cuts)
-  return dot(q, k, trans_b=True) * e * scale, e
+def _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot):
+  """The decayed ``Q K^T`` on ``j <= i`` (:mod:`scores`; unscaled)."""
+  return scores.scores(q_ref, k_ref, g_ref, cuts_ref, x=q, y=k, g=g,
+                       cuts=cuts, strict=False, dot=dot)
 
 
 def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, o_ref,
@@ -24,10 +25,10 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, o_ref,
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
-  scores, _ = _scores(q, k, g, cuts, scale, dot)
-  qg = q.astype(acc) * (scale * core.from_start(g, cuts))[:, None]
+  qk = _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot).matrix
+  qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
   o = (dot(qg.astype(dtype), s_ref[...].astype(dtype))
-       + dot(scores.astype(dtype), delta_ref[...].astype(dtype)))
+       + dot((qk * scale).astype(dtype), delta_ref[...].astype(dtype)))
   o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -38,22 +39,20 @@ def _output_backward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref,
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
-  scores, e = _scores(q, k, g, cuts, scale, dot)
-  scores_t = scores.astype(dtype)
+  qk = _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot)
+  scores_t = (qk.matrix * scale).astype(dtype)
   d_scores, d_qg = 0, 0
   for vs in core.blocks(dd_ref.shape[1], block_v):
     d_o = do_ref[:, vs].astype(dtype)
     d_scores += dot(d_o, delta_ref[:, vs].astype(dtype), trans_b=True)
     d_qg += dot(d_o, s_ref[:, vs].astype(dtype), trans_b=True)
     dd_ref[:, vs] = dot(scores_t, d_o, trans_a=True)
-  eg = (scale * core.from_start(g, cuts))[:, None]
+  eg = core.on_keys(scale * core.from_start(g, cuts))
   qg = q.astype(acc) * eg
-  d_qk = (d_scores * e * scale).astype(dtype)
-  dq_ref[...] = (dot(d_qk, k) + d_qg * eg).astype(dq_ref.dtype)
-  dk_ref[...] = dot(d_qk, q, trans_a=True)
-  p = d_scores * scores
-  dg_ref[...] = (jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
-                 + jnp.sum(d_qg * qg, axis=1))
+  dq, dk, dg = qk.vjp(d_scores * scale, q, k, g)
+  dq_ref[...] = (dq + d_qg * eg).astype(dq_ref.dtype)
+  dk_ref[...] = dk
+  dg_ref[...] = dg + core.key_sum(d_qg * qg, g)
 
 
 def _specs(chunk_size, groups, dk, dv):
@@ -66,6 +65,7 @@ def _specs(chunk_size, groups, dk, dv):
       vals=core.block(None, c, None, dv)(
           lambda i, j, n, *v: (i, n, j, *(v or (0,)))),
       gate=core.block(None, None, c)(lambda i, j, n, *_: (i, j, n)),
+      g=lambda g: core.gate_spec(g, c, lambda i, j, n, *_: (i, j, n)),
       state=core.block(None, None, None, dk, dv)(
           lambda i, j, n, *v: (i, j, n, 0, *(v or (0,)))))
 
@@ -75,7 +75,8 @@ def output(*, q, k, g, cuts, states, delta, chunk_size, scale, out_dtype,
   """Chunk outputs.
 
   Args:
-    q, k: ``[B, T, H, K]``; g, cuts: ``[B, HV, T]`` (cuts int32 or None);
+    q, k: ``[B, T, H, K]``; g: ``[B, HV, T]`` (``[B, HV, T, K]`` per
+    channel); cuts: ``[B, HV, T]`` int32 or None;
     states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``.
 
   Returns:
@@ -88,7 +89,7 @@ def output(*, q, k, g, cuts, states, delta, chunk_size, scale, out_dtype,
   return core.call(
       _output_kernel, grid=(bsz, heads, t_len // chunk_size, dv // bv),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
-                  g_ref=(g, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
+                  g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
                   s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"])),
       outputs=dict(o_ref=(jax.ShapeDtypeStruct(delta.shape, out_dtype),
                           sp["vals"])),
@@ -101,7 +102,7 @@ def output_backward(*, q, k, g, cuts, states, delta, d_o, chunk_size, scale,
   """Cotangents that flow from the output, chunk by chunk.
 
   Returns:
-    ``(dq [B, T, HV, K], dk [B, T, HV, K], dg [B, HV, T], d_delta
+    ``(dq [B, T, HV, K], dk [B, T, HV, K], dg (g's shape), d_delta
     [B, T, HV, V])``, per value head: dq complete (in q's dtype without GVA,
     else float32 for the sum over the group); the output's shares of dk, dg
     and ``dDelta`` (``(Gamma * scale Q K^T)^T dO``) in float32.
@@ -114,14 +115,14 @@ def output_backward(*, q, k, g, cuts, states, delta, d_o, chunk_size, scale,
   return core.call(
       _output_backward_kernel, grid=(bsz, heads, t_len // chunk_size),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
-                  g_ref=(g, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
+                  g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
                   s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"]),
                   do_ref=(d_o, sp["vals"])),
       outputs=dict(
           dq_ref=(jax.ShapeDtypeStruct(
               per_head, q.dtype if heads == h else acc), sp["keys"]),
           dk_ref=(jax.ShapeDtypeStruct(per_head, acc), sp["keys"]),
-          dg_ref=(jax.ShapeDtypeStruct(g.shape, acc), sp["gate"]),
+          dg_ref=(jax.ShapeDtypeStruct(g.shape, acc), sp["g"](g)),
           dd_ref=(jax.ShapeDtypeStruct(delta.shape, acc), sp["vals"])),
       launch=launch, interpret=interpret, name="deltajax_output_backward",
       scale=scale, block_v=launch.block_v, dot=dot)

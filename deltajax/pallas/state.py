@@ -57,16 +57,15 @@ def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
     g, beta = g_ref[rows].astype(acc), b_ref[rows].astype(acc)
     g_end = g_ref[n * c + c - 1].astype(acc)
     cuts, cuts_end = _cut_tiles(cuts_ref, n, c)
-    # Delta = U - W S = T diag(b) (V - e^g K S): W and U are never formed.
+    # Delta = U - W S = T diag(b) (V - (K e^g) S): W and U are never formed.
     y = beta[:, None] * (v_ref[rows, :].astype(acc)
-                         - core.from_start(g, cuts)[:, None]
-                         * dot(k, s.astype(dtype)))
+                         - core.decayed_dot(core.from_start(g, cuts), k, s,
+                                            dot))
     delta = dot(t_ref[rows, :], y.astype(dtype))
     delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-    delta_end = (delta * core.to_end(g, g_end, cuts, cuts_end)[:, None]
-                 ).astype(dtype)
-    s = (core.over_chunk(g_end, cuts_end) * s
-         + dot(k, delta_end, trans_a=True))
+    s = (core.on_state(core.over_chunk(g_end, cuts_end)) * s
+         + core.decayed_dot_t(core.to_end(g, g_end, cuts, cuts_end), k,
+                              delta, dot))
     if seq_ref is not None:
       @pl.when(last)
       def _():
@@ -105,12 +104,12 @@ def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
       ds = lax.cond(last, lambda: dfinal_ref[seq].astype(acc), lambda: ds)
     d_next_ref[n] = ds.astype(d_next_ref.dtype)
     g, g_end = g.astype(acc), g_end.astype(acc)
-    d_delta = dd + (core.to_end(g, g_end, cuts, cuts_end)[:, None]
-                    * dot(k, ds.astype(dtype)))
+    d_delta = dd + core.decayed_dot(core.to_end(g, g_end, cuts, cuts_end), k,
+                                    ds, dot)
     d_delta_ref[pl.ds(n * c, c), :] = d_delta
-    qg = q.astype(acc) * (scale * core.from_start(g, cuts))[:, None]
+    qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
     ds = (dot(qg.astype(dtype), d_o.astype(dtype), trans_a=True)
-          + core.over_chunk(g_end, cuts_end) * ds
+          + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
           - dot(w, d_delta.astype(dtype), trans_a=True))
     if seq_ref is not None:
       @pl.when(first)
@@ -134,10 +133,11 @@ def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
   return max(1, min(most, budget // stage_bytes))
 
 
-def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq):
+def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq, g):
   """BlockSpec makers for grid ``(B, HV, V blocks)``: whole sequences."""
   seq = lambda d: core.block(None, t_len, None, d)
   specs = dict(
+      g=core.gate_spec(g, t_len, lambda i, j, x: (i, j, 0)),
       qk=seq(dk)(lambda i, j, x: (i, 0, core.qk_head(j, groups), 0)),
       keys=seq(dk)(lambda i, j, x: (i, 0, j, 0)),
       vals=seq(bv)(lambda i, j, x: (i, 0, j, x)),
@@ -157,12 +157,13 @@ def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq):
 def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
                  launch, interpret, dot):
   """``Delta = T diag(b) (V - e^g K S)`` (= ``U - W S``) and
-  ``S' = e^{g_C} S + K^T (e^{g_C - g} Delta)``, chunk by chunk.
+  ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk (per
+  channel, ``e^{g_C}`` decays the rows of ``S [K, V]``).
 
   Args:
     t: ``[B, HV, T, C]`` from :func:`ut.inverse`; k: ``[B, T, H, K]``;
-    v: ``[B, T, HV, V]``; g, b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or
-    None; chunk_seq: ``[T / C]`` int32 or None (then B = 1);
+    v: ``[B, T, HV, V]``; g: ``[B, HV, T]`` (``[B, HV, T, K]`` per channel);
+    b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T / C]`` int32 or None (then B = 1);
     initial_state: ``[N, HV, K, V]`` float32 (float64 in interpret mode),
     N = B without chunk_seq.
 
@@ -177,17 +178,19 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
   n = t_len // c
   acc = initial_state.dtype
   num_stages = launch.num_stages
-  if num_stages is None:  # T, K and V tiles of one chunk
-    num_stages = _pipeline_stages(c * (c + dk + bv) * k.dtype.itemsize)
+  if num_stages is None:  # T, K and V tiles of one chunk (and its gates)
+    gate_bytes = c * dk * g.dtype.itemsize if g.ndim == 4 else 0
+    num_stages = _pipeline_stages(c * (c + dk + bv) * k.dtype.itemsize
+                                  + gate_bytes)
   launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
   sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
-                   None if chunk_seq is None else initial_state.shape[0])
+                   None if chunk_seq is None else initial_state.shape[0], g)
   return core.call(
       _forward_kernel, grid=(bsz, heads, dv // bv),
       inputs=dict(
           t_ref=(t, core.block(None, None, t_len, c)(
               lambda i, j, x: (i, j, 0, 0))),
-          k_ref=(k, sp["qk"]), v_ref=(v, sp["vals"]), g_ref=(g, sp["gate"]),
+          k_ref=(k, sp["qk"]), v_ref=(v, sp["vals"]), g_ref=(g, sp["g"]),
           b_ref=(b, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
           seq_ref=(chunk_seq, sp["chunk_seq"]),
           s0_ref=(initial_state, sp["state"])),
@@ -207,12 +210,12 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
 
   With ``dS`` the cotangent of a chunk's exit state::
 
-    dDelta = dDelta_local + e^{g_C - g} (K dS)
+    dDelta = dDelta_local + (K e^{g_C - g}) dS
     dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
 
   Args:
-    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g, cuts: ``[B, HV, T]``
-    (cuts int32 or None); chunk_seq: ``[T / C]`` int32 or None; d_o:
+    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g: ``[B, HV, T]`` or
+    ``[B, HV, T, K]``; cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T / C]`` int32 or None; d_o:
     ``[B, T, HV, V]``; d_delta_local: ``[B, T, HV, V]`` float32, the
     output's share of dDelta; d_final: ``[N, HV, K, V]``.
 
@@ -227,12 +230,12 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
   n = t_len // chunk_size
   acc = d_final.dtype
   sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
-                   None if chunk_seq is None else d_final.shape[0])
+                   None if chunk_seq is None else d_final.shape[0], g)
   return core.call(
       _backward_kernel, grid=(bsz, heads, dv // bv),
       inputs=dict(
           q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]), w_ref=(w, sp["keys"]),
-          g_ref=(g, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
+          g_ref=(g, sp["g"]), cuts_ref=(cuts, sp["gate"]),
           seq_ref=(chunk_seq, sp["chunk_seq"]), do_ref=(d_o, sp["vals"]),
           dd_ref=(d_delta_local, sp["vals"]),
           dfinal_ref=(d_final, sp["state"])),

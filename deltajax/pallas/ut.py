@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deltajax.pallas import core
+from deltajax.pallas import scores
 from deltajax.pallas.core import SUB
 
 
@@ -79,44 +80,32 @@ def inverse_blocks(a_block, n: int, dot: core.Dot, precision: str = "ieee"):
   return t
 
 
-def _assemble(t, n):
-  """The ``[C, C]`` lower block-triangular matrix from its ``[16, 16]`` blocks."""
-  shape = (n, SUB, n, SUB)
-  bi, bj = core.iota(shape, 0), core.iota(shape, 2)
-  full = sum(jnp.where((bi == i) & (bj == j), x[None, :, None, :], 0)
-             for (i, j), x in t.items())
-  return full.reshape(n * SUB, n * SUB)
-
-
-def kk_matrix(k, g, cuts, dot):
-  """``(Gamma * K K^T, Gamma)``, ``[C, C]``, on the strict lower triangle.
-
-  g and cuts (or None) are ``[C]``.
-  """
-  e = core.decay(g, g, core.causal(k.shape[0], strict=True), cuts, cuts)
-  return dot(k, k, trans_b=True) * e, e
-
-
 def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, t_ref, dot):
-  """One chunk: ``k [C, K]``, ``g, b, cuts [C]`` -> ``T [C, C]``."""
+  """One chunk: ``k [C, K]``, ``g [C]`` (``[C, K]`` per channel), ``b, cuts
+  [C]`` -> ``T [C, C]``."""
   n = k_ref.shape[0] // SUB
   sub = [pl.ds(i * SUB, SUB) for i in range(n)]
   acc = core.accumulator(k_ref.dtype)
-  k = [k_ref[s, :] for s in sub]
-  g = [g_ref[s].astype(acc) for s in sub]
   beta = [b_ref[s].astype(acc) for s in sub]
-  cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
+  if core.per_channel(g_ref):
+    tile = scores.channel_tiles(k_ref, k_ref, g_ref, cuts_ref, strict=True,
+                                dot=dot).tile
+  else:
+    k = [k_ref[s, :] for s in sub]
+    g = [g_ref[s].astype(acc) for s in sub]
+    cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
 
-  def a_block(i, j):
-    mask = core.causal(SUB, strict=True) if i == j else True
-    return (beta[i][:, None] * dot(k[i], k[j], trans_b=True)
-            * core.decay(g[i], g[j], mask, cuts[i], cuts[j]))
+    def tile(i, j):
+      mask = core.causal(SUB, strict=True) if i == j else True
+      return (dot(k[i], k[j], trans_b=True)
+              * core.decay(g[i], g[j], mask, cuts[i], cuts[j]))
 
   # T is used in k's dtype: for 16-bit inputs, one TF32 pass (10-bit
   # mantissas) is more than enough; float32 inputs get exact products.
   precision = "ieee" if k_ref.dtype == jnp.float32 else "tf32"
-  t_ref[...] = _assemble(inverse_blocks(a_block, n, dot, precision),
-                         n).astype(t_ref.dtype)
+  t_ref[...] = core.assemble(
+      inverse_blocks(lambda i, j: beta[i][:, None] * tile(i, j), n, dot,
+                     precision), n).astype(t_ref.dtype)
 
 
 def _w_u_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref, u_ref,
@@ -126,7 +115,8 @@ def _w_u_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref, u_ref,
   g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
   t = t_ref[...]
-  x_k = (beta * core.from_start(g, cuts))[:, None] * k_ref[...].astype(acc)
+  x_k = (core.on_keys(core.from_start(g, cuts), beta)
+         * k_ref[...].astype(acc))
   x_v = beta[:, None] * v_ref[...].astype(acc)
   w_ref[...] = dot(t, x_k.astype(t.dtype)).astype(w_ref.dtype)
   u_ref[...] = dot(t, x_v.astype(t.dtype)).astype(u_ref.dtype)
@@ -146,12 +136,17 @@ def _chunk_specs(chunk_size, groups):
   return qk, tok, gate, square, state
 
 
+def _gate_spec(g, chunk_size):
+  """The gate's BlockSpec for grid ``(B, HV, N)``: one chunk."""
+  return core.gate_spec(g, chunk_size, lambda i, j, n: (i, j, n))
+
+
 def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
   """``T = (I + A)^-1`` of every chunk.
 
   Args:
     k: ``[B, T, H, K]`` (K a power of two); g: ``[B, HV, T]`` chunk-local
-      cumulative log gate; b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
+      cumulative log gate (``[B, HV, T, K]`` per channel); b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
       chunk-local cumulative cut count, or None; heads: HV.
 
   Returns:
@@ -162,8 +157,8 @@ def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
   qk, _, gate, square, _ = _chunk_specs(chunk_size, heads // h)
   return core.call(
       _inverse_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(k_ref=(k, qk(dk)), g_ref=(g, gate), b_ref=(b, gate),
-                  cuts_ref=(cuts, gate)),
+      inputs=dict(k_ref=(k, qk(dk)), g_ref=(g, _gate_spec(g, chunk_size)),
+                  b_ref=(b, gate), cuts_ref=(cuts, gate)),
       outputs=dict(t_ref=(jax.ShapeDtypeStruct(
           (bsz, heads, t_len, chunk_size), k.dtype), square)),
       launch=launch, interpret=interpret, name="deltajax_ut_inverse", dot=dot)
@@ -176,8 +171,9 @@ def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
   backward does, from the forward's T.
 
   Args:
-    k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g, b, cuts: ``[B, HV, T]``;
-    t: ``[B, HV, T, C]`` from :func:`inverse`.
+    k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, HV, T]`` or
+    ``[B, HV, T, K]``; b, cuts: ``[B, HV, T]``; t: ``[B, HV, T, C]`` from
+    :func:`inverse`.
 
   Returns:
     ``(w [B, T, HV, K], u [B, T, HV, V])`` in k's dtype.
@@ -187,8 +183,9 @@ def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
   qk, tok, gate, square, _ = _chunk_specs(chunk_size, heads // h)
   return core.call(
       _w_u_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, tok(dv)), g_ref=(g, gate),
-                  b_ref=(b, gate), cuts_ref=(cuts, gate), t_ref=(t, square)),
+      inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, tok(dv)),
+                  g_ref=(g, _gate_spec(g, chunk_size)), b_ref=(b, gate),
+                  cuts_ref=(cuts, gate), t_ref=(t, square)),
       outputs=dict(
           w_ref=(jax.ShapeDtypeStruct((bsz, t_len, heads, dk), k.dtype),
                  tok(dk)),
@@ -202,7 +199,8 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
                         da_ref, block_v, dot):
   """One chunk of the backward through ``Delta = U - W S``, the chunk-end
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
-  adding the output's shares ``dk_out``, ``dg_out``."""
+  adding the output's shares ``dk_out``, ``dg_out``. The gate cotangent is
+  per token (``[C]``) or per channel (``[C, K]``), as the gate."""
   k = k_ref[...]
   dtype, acc = k.dtype, core.accumulator(k.dtype)
   c = k.shape[0]
@@ -217,44 +215,42 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
     s, d_next = s_ref[:, vs], dnext_ref[:, vs]
     d_k_end += dot(delta_ref[:, vs].astype(dtype), d_next.astype(dtype),
                    trans_b=True)
-    d_s_sum += jnp.sum(d_next * s)
+    d_s_sum += core.key_sum(jnp.sum(d_next * s, axis=1), g, axis=0)
     d_w -= dot(dd_ref[:, vs].astype(dtype), s.astype(dtype), trans_b=True)
   # Each cotangent piece is folded into dk, dg, db as soon as it is known,
   # so few [C, K] float32 tiles are live at once (register pressure).
   g_end = core.last(g)
-  to_end = core.to_end(g, g_end, cuts, cuts_end)[:, None]
+  to_end = core.on_keys(core.to_end(g, g_end, cuts, cuts_end))
   k_acc = k.astype(acc)
   k_end = k_acc * to_end
   dk = dk_out_ref[...] + d_k_end * to_end
-  dg = dg_out_ref[...] - jnp.sum(k_end * d_k_end, axis=1)
-  d_g_end = (jnp.sum(k_end * d_k_end)
+  dg = dg_out_ref[...] - core.key_sum(k_end * d_k_end, g)
+  d_g_end = (jnp.sum(core.key_sum(k_end * d_k_end, g), axis=0)
              + core.over_chunk(g_end, cuts_end) * d_s_sum)
   # [W | U] = T diag(b) [K e^g | V]: d[W | U] -> dX = T^T d[W | U], dM.
   t = t_ref[...].astype(dtype)
   d_xk = dot(t, d_w.astype(dtype), trans_a=True)
   d_m = -dot(d_xk.astype(dtype), w_ref[...], trans_b=True)
-  eg = core.from_start(g, cuts)[:, None]
-  d_xk_kg = d_xk * k_acc * eg
+  eg = core.from_start(g, cuts)
+  d_xk_kg = d_xk * k_acc * core.on_keys(eg)
   db = jnp.sum(d_xk_kg, axis=1)
-  dg += beta * db
-  dk += (beta[:, None] * eg) * d_xk
+  dg += (beta[:, None] * d_xk_kg if core.per_channel(g) else beta * db)
+  dk += core.on_keys(eg, beta) * d_xk
   for vs in v_blocks:
     d_xv = dot(t, dd_ref[:, vs].astype(dtype), trans_a=True)
     dv_ref[:, vs] = (beta[:, None] * d_xv).astype(dv_ref.dtype)
     db += jnp.sum(d_xv * v_ref[:, vs], axis=1)
     d_m -= dot(d_xv.astype(dtype), u_ref[:, vs], trans_b=True)
-  kk, e = kk_matrix(k, g, cuts, dot)
-  db_ref[...] = db + jnp.sum(d_m * kk, axis=1)
-  d_kk = beta[:, None] * d_m
-  p = d_kk * kk
-  dg += jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
-  d_kk_e = (d_kk * e).astype(dtype)
-  dk_ref[...] = (dk + dot(d_kk_e, k) + dot(d_kk_e, k, trans_a=True)
-                 ).astype(dk_ref.dtype)
-  dg += jnp.where(core.iota((c,), 0) == c - 1, d_g_end, 0)
+  kk = scores.scores(k_ref, k_ref, g_ref, cuts_ref, x=k, y=k, g=g, cuts=cuts,
+                     strict=True, dot=dot)
+  db_ref[...] = db + jnp.sum(d_m * kk.matrix, axis=1)
+  d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k, g)
+  dg += d_g_kk
+  dk_ref[...] = (dk + d_k1 + d_k2).astype(dk_ref.dtype)
+  last_row = core.iota(dg.shape, 0) == c - 1
+  dg += jnp.where(last_row, d_g_end, 0)
   # g is the cumulative sum of a within the chunk: da is the reverse cumsum.
-  rows, cols = core.iota((c, c), 0), core.iota((c, c), 1)
-  da_ref[...] = jnp.sum(jnp.where(cols >= rows, dg[None, :], 0), axis=1)
+  da_ref[...] = core.reverse_cumsum(dg, dot)
 
 
 def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
@@ -263,15 +259,16 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
 
   Args:
     k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; v, u, delta:
-    ``[B, T, HV, V]``; g, b, cuts: ``[B, HV, T]``; t: ``[B, HV, T, C]`` from
-    :func:`inverse`; states, d_next: ``[B, HV, N, K, V]``; d_delta:
-    ``[B, T, HV, V]``; dk_out ``[B, T, HV, K]`` and dg_out ``[B, HV, T]``:
-    the output's shares of dk and dg.
+    ``[B, T, HV, V]``; g: ``[B, HV, T]`` or ``[B, HV, T, K]``; b, cuts:
+    ``[B, HV, T]``; t: ``[B, HV, T, C]`` from :func:`inverse`; states,
+    d_next: ``[B, HV, N, K, V]``; d_delta: ``[B, T, HV, V]``; dk_out
+    ``[B, T, HV, K]`` and dg_out (g's shape): the output's shares of dk and
+    dg.
 
   Returns:
     ``(dk, dv, db, da)``: ``[B, T, HV, K]`` per value head (in k's dtype
     without GVA, else float32 for the sum over the group),
-    ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` and ``[B, HV, T]`` float32
+    ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` and g's shape, float32
     (da of the cumulative gate's increments; 0 is not forced at cuts).
   """
   bsz, t_len, h, dk = k.shape
@@ -279,21 +276,22 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
   acc = core.accumulator(k.dtype)
   qk, tok, gate, square, state = _chunk_specs(chunk_size, heads // h)
   vals, states_spec = tok(dv), state(dk, dv)
+  gates = _gate_spec(g, chunk_size)
   return core.call(
       _ut_backward_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, vals), g_ref=(g, gate),
+      inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, vals), g_ref=(g, gates),
                   b_ref=(b, gate), cuts_ref=(cuts, gate), t_ref=(t, square),
                   w_ref=(w, tok(dk)), u_ref=(u, vals),
                   s_ref=(states, states_spec),
                   dnext_ref=(d_next, states_spec), delta_ref=(delta, vals),
                   dd_ref=(d_delta, vals), dk_out_ref=(dk_out, tok(dk)),
-                  dg_out_ref=(dg_out, gate)),
+                  dg_out_ref=(dg_out, gates)),
       outputs=dict(
           dk_ref=(jax.ShapeDtypeStruct((bsz, t_len, heads, dk),
                                        k.dtype if heads == h else acc),
                   tok(dk)),
           dv_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), vals),
-          db_ref=(jax.ShapeDtypeStruct(g.shape, acc), gate),
-          da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gate)),
+          db_ref=(jax.ShapeDtypeStruct(b.shape, acc), gate),
+          da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gates)),
       launch=launch, interpret=interpret, name="deltajax_ut_backward",
       block_v=launch.block_v, dot=dot)
