@@ -21,22 +21,27 @@ pytestmark = pytest.mark.skipif(
     reason="interpret-mode checks; on a GPU run tests/test_gpu.py")
 
 
-def _inputs(shape, seed):
-  """numpy q, k (unit rows), v, a (GDN gate), b in (0.05, 1.95), initial
-  state; cotangents."""
+def _inputs(shape, seed, per_channel=False):
+  """numpy q, k (unit rows), v, a (GDN gate, or KDA's per channel), b in
+  (0.05, 1.95), initial state; cotangents."""
   bsz, t, h, dk, dv = shape
   x = utils.random_inputs(seed, batch=bsz, length=t, heads=h, key_dim=dk,
-                          value_dim=dv, state_scale=1.0)
+                          value_dim=dv, state_scale=1.0,
+                          per_channel=per_channel)
   x = x._replace(b=np.random.default_rng(seed).uniform(0.05, 1.95, x.b.shape))
   return tuple(x), utils.random_cotangents(seed, x)
 
 
 def _value_and_grads(impl, args, cts, chunk_size):
-  def f(q, k, v, a, b, s0):
-    return deltajax.gated_delta(q, k, v, a, b, initial_state=s0, impl=impl,
-                                chunk_size=chunk_size, return_final_state=True)
-  out, vjp = jax.vjp(f, *args)
-  return out, vjp(tuple(jnp.asarray(c, x.dtype) for c, x in zip(cts, out)))
+  """Outputs and gradients under one jax.jit (interpret mode's time is
+  compilation: one is faster than one per kernel)."""
+  def run(args, cts):
+    f = lambda *x: deltajax.gated_delta(
+        *x[:5], initial_state=x[5], impl=impl, chunk_size=chunk_size,
+        return_final_state=True)
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
+  return jax.jit(run)(args, tuple(jnp.asarray(c) for c in cts))
 
 
 # (B, T, H, K, V), chunk: T not a multiple of the chunk, head dims padded to a
@@ -45,9 +50,19 @@ SHAPES = [((1, 50, 2, 20, 24), 32), ((2, 40, 1, 16, 100), 16),
           ((1, 16, 1, 32, 16), 16)]
 
 
-@pytest.mark.parametrize("shape,chunk_size", SHAPES)
-def test_pallas_matches_chunked_in_float64(shape, chunk_size):
-  args, cts = _inputs(shape, seed=sum(shape) + chunk_size)
+# KDA: T not a multiple of the chunk with K, V padded (20, 24 -> 32); K = V
+# = 32 in chunks of two 16-blocks; a non-power-of-two K (48 -> 64).
+KDA_SHAPES = [((1, 50, 1, 20, 24), 32), ((1, 64, 1, 32, 32), 32),
+              ((2, 24, 1, 48, 16), 16)]
+
+
+@pytest.mark.parametrize(
+    "shape,chunk_size,per_channel",
+    [(*x, False) for x in SHAPES] + [(*x, True) for x in KDA_SHAPES])
+def test_pallas_matches_chunked_in_float64(shape, chunk_size, per_channel):
+  """Outputs and every gradient (da per channel for KDA), float64."""
+  args, cts = _inputs(shape, seed=sum(shape) + chunk_size,
+                      per_channel=per_channel)
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(x, jnp.float64) for x in args)
     got, got_grads = _value_and_grads("pallas", args, cts, chunk_size)
@@ -132,13 +147,9 @@ def test_pallas_mixed_input_dtypes():
     assert np.linalg.norm(x - y) / np.linalg.norm(y) < 1e-2
 
 
-def test_pallas_rejects_per_channel_gate_and_small_chunks():
+def test_pallas_rejects_small_chunks():
   args, _ = _inputs((1, 16, 1, 16, 16), seed=1)
   q, k, v, a, b, _ = (jnp.asarray(x, jnp.float32) for x in args)
-  with pytest.raises(ValueError, match="impl='pallas' cannot run this call: "
-                     "it has no 'channel' gate"):
-    deltajax.kda(q, k, v, jnp.broadcast_to(a[..., None], q.shape), b,
-                 impl="pallas")
   with pytest.raises(ValueError, match=r"chunk_size must be one of \(16, 32"):
     deltajax.gated_delta(q, k, v, a, b, impl="pallas", chunk_size=8)
 
@@ -187,12 +198,13 @@ def _reference(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
 
 
 def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
-                     chunk_seq=None, n_seq=None):
+                     chunk_seq=None, n_seq=None, per_channel=False):
   """float64 inputs of the contract and cotangents. With ``cuts``: in the
   even value heads, random cuts and one at the first token of chunk 1 (and of
   chunk 0 in head 0); in the odd ones, at the second and the last token of
   chunk 0 only. With ``chunk_seq``: each sequence's
-  last chunk ends with padding tokens (a = b = k = 0)."""
+  last chunk ends with padding tokens (a = b = k = 0). ``per_channel``: a
+  KDA gate ``[B, T, HV, K]`` (cuts are per token, equal across channels)."""
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((bsz, t, h, d))
   k = rng.standard_normal((bsz, t, h, d))
@@ -200,7 +212,8 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
   v = rng.standard_normal((bsz, t, hv, d))
   # Weak gates (mean 0.07 per token), so that the far corners of a chunk of
   # 64 count.
-  a = -0.1 * np.logaddexp(0, rng.standard_normal((bsz, t, hv, 1)))
+  a = -0.1 * np.logaddexp(0, rng.standard_normal(
+      (bsz, t, hv, d if per_channel else 1)))
   b = rng.uniform(0.05, 1.5, (bsz, t, hv))
   n_seq = bsz if n_seq is None else n_seq
   s0 = 0.5 * rng.standard_normal((n_seq, hv, d, d))
@@ -211,6 +224,7 @@ def _contract_inputs(seed, *, bsz, t, h, hv, d, chunk_size, cuts=False,
     cut[:, chunk_size, ::2] = True
     cut[:, 0, 0] = True  # the initial state of head 0 is discarded
     cut[:, [1, chunk_size - 1], 1::2] = True
+    cut = np.broadcast_to(cut, a.shape).copy()
   if chunk_seq is not None:
     ends = [m for m in range(len(chunk_seq))
             if m == len(chunk_seq) - 1 or chunk_seq[m + 1] != chunk_seq[m]]
@@ -256,36 +270,63 @@ def _check_contract(args, cut, chunk_seq, cts, chunk_size, tol=1e-10):
     assert np.all(np.asarray(got_grads[3])[cut] == 0)
 
 
-# (B, T, H, HV, K = V), chunk, cuts: GVA groups of 2, non-power-of-two head
-# dims, every chunk size; the no-cut fast path once with GVA (the tests above
-# run it without).
-CONTRACT = [((2, 48, 2, 4, 20), 16, True), ((1, 64, 1, 2, 48), 32, True),
-            ((1, 128, 2, 4, 20), 64, True), ((1, 64, 1, 2, 48), 32, False)]
+# (B, T, H, HV, K = V), chunk, cuts, per-channel gate: GVA groups of 2,
+# non-power-of-two head dims, every chunk size; the no-cut fast path once
+# with GVA (the tests above run it without).
+CONTRACT = [((2, 48, 2, 4, 20), 16, True, False),
+            ((1, 64, 1, 2, 48), 32, True, False),
+            ((1, 128, 2, 4, 20), 64, True, False),
+            ((1, 64, 1, 2, 48), 32, False, False),
+            ((2, 48, 2, 4, 20), 16, True, True),
+            ((1, 64, 1, 2, 48), 32, True, True),
+            ((1, 64, 1, 2, 20), 64, True, True),
+            ((1, 64, 1, 2, 48), 32, False, True)]
 
 
-@pytest.mark.parametrize("shape,chunk_size,cuts", CONTRACT)
-def test_contract_gva_cuts_chunk_sizes(shape, chunk_size, cuts):
+@pytest.mark.parametrize("shape,chunk_size,cuts,per_channel", CONTRACT)
+def test_contract_gva_cuts_chunk_sizes(shape, chunk_size, cuts, per_channel):
   bsz, t, h, hv, d = shape
   args, cut, _, cts = _contract_inputs(
       sum(shape) + chunk_size + cuts, bsz=bsz, t=t, h=h, hv=hv, d=d,
-      chunk_size=chunk_size, cuts=cuts)
+      chunk_size=chunk_size, cuts=cuts, per_channel=per_channel)
   _check_contract(args, cut, None, cts, chunk_size)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
 @pytest.mark.parametrize("cuts", [False, True])
-def test_contract_packed_sequences(cuts):
+def test_contract_packed_sequences(cuts, per_channel):
   """Five sequences in seven chunks of 16: one of three chunks, one of one
   chunk, one without chunks (its state passes through), GVA (1, 2)."""
   chunk_seq = [0, 0, 0, 1, 3, 3, 4]
   args, cut, chunk_seq, cts = _contract_inputs(
       5 + cuts, bsz=1, t=16 * len(chunk_seq), h=1, hv=2, d=20, chunk_size=16,
-      cuts=cuts, chunk_seq=chunk_seq, n_seq=5)
+      cuts=cuts, chunk_seq=chunk_seq, n_seq=5, per_channel=per_channel)
   _check_contract(args, cut, chunk_seq, cts, 16)
 
 
+def test_pallas_kda_strong_gates_are_stable():
+  """Per-channel gates of -5 on every token of a chunk and -30 on single
+  tokens, b near 2, aligned keys (:func:`utils.strong_kda_inputs`): the
+  float32 kernels are finite and match the float64 reference."""
+  x = utils.strong_kda_inputs(5, length=128, key_dim=32, value_dim=32,
+                              chunk_size=64)
+  cts = utils.random_cotangents(5, x)
+  got, got_grads = _value_and_grads(
+      "pallas", tuple(jnp.asarray(t, jnp.float32) for t in x), cts, 64)
+  with jax.enable_x64(True):
+    ref, ref_grads = _value_and_grads(
+        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in x), cts, 64)
+  for name, g, r in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
+                         "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
+    assert np.all(np.isfinite(np.asarray(g))), name
+    assert utils.relative_rms_error(g, r) < 1e-3, (
+        name, utils.relative_rms_error(g, r))
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("features", ["plain", "gva_cuts_packed"])
-def test_kernels_lower_for_triton(dtype, features):
+def test_kernels_lower_for_triton(dtype, features, gate):
   """Every kernel, forward and backward, lowers through Pallas' Triton
   lowering for CUDA (jax.export on abstract shapes; no GPU needed). This
   checks the Triton-side rules the interpret-mode tests cannot (block
@@ -294,14 +335,15 @@ def test_kernels_lower_for_triton(dtype, features):
   bsz, t, h, hv, d, c = (1, 96, 2, 4, 80, 32) if features != "plain" else (
       2, 128, 2, 2, 128, 64)
   f32 = jnp.float32
+  width = d if gate == "channel" else 1
   shapes = [((bsz, t, h, d), dtype), ((bsz, t, h, d), dtype),
-            ((bsz, t, hv, d), dtype), ((bsz, t, hv, 1), f32),
+            ((bsz, t, hv, d), dtype), ((bsz, t, hv, width), f32),
             ((bsz, t, hv), f32), ((3 if features != "plain" else bsz, hv, d,
                                    d), f32)]
   args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
   extra = [None, None]
   if features != "plain":
-    extra = [jax.ShapeDtypeStruct((bsz, t, hv, 1), jnp.bool_),
+    extra = [jax.ShapeDtypeStruct((bsz, t, hv, width), jnp.bool_),
              jax.ShapeDtypeStruct((t // c,), jnp.int32)]
   config = pallas.KernelConfig(interpret=False)
 

@@ -98,3 +98,28 @@ def relative_rms_error(x, ref) -> float:
   """fla's ``get_err_ratio``: ``||x - ref|| / ||ref||``."""
   x, ref = as_float64(x), as_float64(ref)
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def strong_kda_inputs(seed: int, *, batch=1, length=128, heads=1, key_dim=32,
+                      value_dim=32, chunk_size=64) -> Inputs:
+  """KDA inputs at the edge of stability: per-channel gates of -5 on every
+  token of the first chunk (a quarter of the channels), -30 on single
+  tokens (another quarter), weak elsewhere; b near 2; nearly aligned keys
+  (one direction plus 5% noise). A chunked implementation that took the
+  exponent of a positive number (say ``exp(g_0 - g_j)``, up to
+  ``5 chunk_size``) would overflow in float32."""
+  rng = np.random.default_rng(seed)
+  shape = (batch, length, heads)
+  q = rng.standard_normal((*shape, key_dim))
+  k = rng.standard_normal(key_dim) + 0.05 * rng.standard_normal(
+      (*shape, key_dim))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  v = rng.standard_normal((*shape, value_dim))
+  a = -0.05 * np.logaddexp(0.0, rng.standard_normal((*shape, key_dim)))
+  quarter = key_dim // 4
+  a[:, :chunk_size, :, :quarter] = -5.0
+  single = rng.uniform(size=(batch, length)) < 0.1
+  a[:, :, :, quarter:2 * quarter][single] = -30.0
+  b = rng.uniform(1.9, 1.99, shape)
+  s0 = rng.standard_normal((batch, heads, key_dim, value_dim))
+  return Inputs(q, k, v, a, b, s0)

@@ -67,56 +67,58 @@ class _ChannelTiles:
     diff = g - r[None, :] if j == i else r[None, :] - g
     return core.masked_exp(diff, True if c is None else (c == c_r)[:, None])
 
-  def _column(self, i, j):
-    """Column j of diagonal tile i: ``(y_t [1, K], e [16, K])`` with ``t =
-    16 i + j`` and ``e = exp(g_I - g_t)`` on the rows ``>= j`` (``> j``
-    strict) of the same segment."""
-    rows, t = pl.ds(i * SUB, SUB), pl.ds(i * SUB + j, 1)
-    mask = core.iota((SUB, 1), 0) > j if self.strict else (
-        core.iota((SUB, 1), 0) >= j)
-    if self.cuts_ref is not None:
-      mask = mask & (self._cuts(rows) == self.cuts_ref[i * SUB + j])[:, None]
-    diff = self._load(self.g_ref, rows) - self._load(self.g_ref, t)
-    return self._load(self.y_ref, t), core.masked_exp(diff, mask)
-
-  def _columns(self):
-    """The diagonal tile's columns that can be nonzero."""
-    return range(SUB - 1 if self.strict else SUB)
-
-  def _off_diagonal(self, i, j):
-    """``(X_I e^{g_I - r}, Y_J e^{r - g_J})`` in x's dtype and the second
-    factor's decay, for ``j < i``."""
-    dtype = self.x_ref.dtype
-    left = self._load(self.x_ref, pl.ds(i * SUB, SUB)) * self._factor(i, i)
+  def _decayed(self, ref, i, j):
+    """``(ref rows of block j * e, e)``: the left (``j == i``) or right
+    (``j < i``) factor of tile ``(i, j)``, in x's dtype, and its decay."""
     decay = self._factor(i, j)
-    right = self._load(self.y_ref, pl.ds(j * SUB, SUB)) * decay
-    return left.astype(dtype), right.astype(dtype), decay
+    x = self._load(ref, pl.ds(j * SUB, SUB)) * decay
+    return x.astype(self.x_ref.dtype), decay
 
-  def tile(self, i, j):
-    """Tile ``(i, j)``, ``j <= i``: ``[16, 16]`` float32."""
-    if j < i:
-      left, right, _ = self._off_diagonal(i, j)
-      return self.dot(left, right, trans_b=True)
+  def _columns(self, i):
+    """Column by column, the diagonal tile i's ``(j, y_t [1, K], e [16,
+    K])``: ``t = 16 i + j`` and ``e = exp(g_I - g_t)`` on the rows ``>= j``
+    (``> j`` strict) of t's segment; the columns that can be nonzero."""
+    rows = pl.ds(i * SUB, SUB)
+    g, c = self._load(self.g_ref, rows), self._cuts(rows)
+    below = core.iota((SUB, 1), 0)
+    for j in range(SUB - 1 if self.strict else SUB):
+      t = pl.ds(i * SUB + j, 1)
+      mask = below > j if self.strict else below >= j
+      if c is not None:
+        mask = mask & (c == self.cuts_ref[i * SUB + j])[:, None]
+      diff = g - self._load(self.g_ref, t)
+      yield j, self._load(self.y_ref, t), core.masked_exp(diff, mask)
+
+  def _diagonal(self, i):
     x = self._load(self.x_ref, pl.ds(i * SUB, SUB))
     cols = core.iota((SUB, SUB), 1)
     out = jnp.zeros((SUB, SUB), x.dtype)
-    for j in self._columns():
-      y_t, e = self._column(i, j)
+    for j, y_t, e in self._columns(i):
       out = jnp.where(cols == j, jnp.sum(x * y_t * e, axis=1)[:, None], out)
+    return out
+
+  def tiles(self):
+    """``{(i, j): [16, 16]}`` float32 for ``j <= i``."""
+    out = {}
+    for i in range(self.n):
+      if i:
+        left, _ = self._decayed(self.x_ref, i, i)
+      for j in range(i):
+        right, _ = self._decayed(self.y_ref, i, j)
+        out[i, j] = self.dot(left, right, trans_b=True)
+      out[i, i] = self._diagonal(i)
     return out
 
   def matrix(self):
     """The ``[C, C]`` scores."""
-    return core.assemble({(i, j): self.tile(i, j) for i in range(self.n)
-                          for j in range(i + 1)}, self.n)
+    return core.assemble(self.tiles(), self.n)
 
   def _diagonal_vjp(self, i, d):
     """``(dx, dy)`` ``[16, K]`` of diagonal tile i from its cotangent ``d``."""
     x = self._load(self.x_ref, pl.ds(i * SUB, SUB))
     rows, cols = core.iota((SUB, 1), 0), core.iota((SUB, SUB), 1)
     dx, dy = 0, jnp.zeros(x.shape, x.dtype)
-    for j in self._columns():
-      y_t, e = self._column(i, j)
+    for j, y_t, e in self._columns(i):
       d_e = jnp.sum(jnp.where(cols == j, d, 0), axis=1)[:, None] * e
       dx += d_e * y_t
       dy = jnp.where(rows == j, jnp.sum(d_e * x, axis=0)[None, :], dy)
@@ -128,16 +130,18 @@ class _ChannelTiles:
     dx, dy = {}, {j: 0 for j in range(n)}
     for i in range(n):
       d_rows = core.rows_of(d, i)
+      dx[i], dy_i = self._diagonal_vjp(i, core.cols_of(d_rows, i))
+      dy[i] += dy_i
+      if not i:
+        continue
+      left, left_decay = self._decayed(self.x_ref, i, i)
       d_left = 0
       for j in range(i):
         d_ij = core.cols_of(d_rows, j).astype(dtype)
-        left, right, decay = self._off_diagonal(i, j)
+        right, right_decay = self._decayed(self.y_ref, i, j)
         d_left += self.dot(d_ij, right)
-        dy[j] += self.dot(d_ij, left, trans_a=True) * decay
-      dx[i], dy_i = self._diagonal_vjp(i, core.cols_of(d_rows, i))
-      dy[i] += dy_i
-      if i:
-        dx[i] += d_left * self._factor(i, i)
+        dy[j] += self.dot(d_ij, left, trans_a=True) * right_decay
+      dx[i] += d_left * left_decay
     return core.place_rows(dx, n), core.place_rows(dy, n)
 
 
@@ -187,5 +191,5 @@ def scores(x_ref, y_ref, g_ref, cuts_ref, *, x, y, g, cuts, strict,
 def channel_tiles(x_ref, y_ref, g_ref, cuts_ref, *, strict,
                   dot) -> _ChannelTiles:
   """The ``[16, 16]`` tiles of a per-channel gate's scores (the UT inverse
-  takes them one by one)."""
+  takes them as tiles)."""
   return _ChannelTiles(x_ref, y_ref, g_ref, cuts_ref, strict, dot)
