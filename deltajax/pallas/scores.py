@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from deltajax.pallas import core
@@ -74,28 +75,35 @@ class _ChannelTiles:
     x = self._load(ref, pl.ds(j * SUB, SUB)) * decay
     return x.astype(self.x_ref.dtype), decay
 
-  def _columns(self, i):
-    """Column by column, the diagonal tile i's ``(j, y_t [1, K], e [16,
-    K])``: ``t = 16 i + j`` and ``e = exp(g_I - g_t)`` on the rows ``>= j``
-    (``> j`` strict) of t's segment; the columns that can be nonzero."""
+  def _column(self, i, j, g, c):
+    """Column ``j`` (traced) of diagonal tile i: ``(y_t [1, K], e [16,
+    K])`` with ``t = 16 i + j`` and ``e = exp(g_I - g_t)`` on the rows
+    ``>= j`` (``> j`` strict) of t's segment; ``g, c``: block i's gate and
+    cut counts."""
+    t = i * SUB + j
+    below = core.iota((SUB, 1), 0)
+    mask = below > j if self.strict else below >= j
+    if c is not None:
+      mask = mask & (c == self.cuts_ref[t])[:, None]
+    diff = g - self._load(self.g_ref, pl.ds(t, 1))
+    return self._load(self.y_ref, pl.ds(t, 1)), core.masked_exp(diff, mask)
+
+  def _over_columns(self, i, step, init):
+    """``lax.fori_loop`` of ``step(j, y_t, e, carry)`` over the columns of
+    diagonal tile i that can be nonzero."""
     rows = pl.ds(i * SUB, SUB)
     g, c = self._load(self.g_ref, rows), self._cuts(rows)
-    below = core.iota((SUB, 1), 0)
-    for j in range(SUB - 1 if self.strict else SUB):
-      t = pl.ds(i * SUB + j, 1)
-      mask = below > j if self.strict else below >= j
-      if c is not None:
-        mask = mask & (c == self.cuts_ref[i * SUB + j])[:, None]
-      diff = g - self._load(self.g_ref, t)
-      yield j, self._load(self.y_ref, t), core.masked_exp(diff, mask)
+    return lax.fori_loop(
+        0, SUB - 1 if self.strict else SUB,
+        lambda j, carry: step(j, *self._column(i, j, g, c), carry), init)
 
   def _diagonal(self, i):
     x = self._load(self.x_ref, pl.ds(i * SUB, SUB))
     cols = core.iota((SUB, SUB), 1)
-    out = jnp.zeros((SUB, SUB), x.dtype)
-    for j, y_t, e in self._columns(i):
-      out = jnp.where(cols == j, jnp.sum(x * y_t * e, axis=1)[:, None], out)
-    return out
+    return self._over_columns(
+        i, lambda j, y_t, e, out: jnp.where(
+            cols == j, jnp.sum(x * y_t * e, axis=1)[:, None], out),
+        jnp.zeros((SUB, SUB), x.dtype))
 
   def tiles(self):
     """``{(i, j): [16, 16]}`` float32 for ``j <= i``."""
@@ -117,12 +125,15 @@ class _ChannelTiles:
     """``(dx, dy)`` ``[16, K]`` of diagonal tile i from its cotangent ``d``."""
     x = self._load(self.x_ref, pl.ds(i * SUB, SUB))
     rows, cols = core.iota((SUB, 1), 0), core.iota((SUB, SUB), 1)
-    dx, dy = 0, jnp.zeros(x.shape, x.dtype)
-    for j, y_t, e in self._columns(i):
+
+    def column(j, y_t, e, grads):
+      dx, dy = grads
       d_e = jnp.sum(jnp.where(cols == j, d, 0), axis=1)[:, None] * e
-      dx += d_e * y_t
-      dy = jnp.where(rows == j, jnp.sum(d_e * x, axis=0)[None, :], dy)
-    return dx, dy
+      return (dx + d_e * y_t,
+              jnp.where(rows == j, jnp.sum(d_e * x, axis=0)[None, :], dy))
+
+    zeros = jnp.zeros(x.shape, x.dtype)
+    return self._over_columns(i, column, (zeros, zeros))
 
   def vjp(self, d):
     """``(dx, dy)`` ``[C, K]`` float32 from the scores' cotangent ``d [C, C]``."""
