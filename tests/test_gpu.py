@@ -3,7 +3,7 @@
 16-bit inputs, float32 gates and initial state, against the float64 chunked
 reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
-dims; impl="auto" (what a user gets) on grouped value heads, packed
+dims and on KDA; impl="auto" (what a user gets) on grouped value heads, packed
 sequences, fla's GDN test grid and fla's KDA test shapes.
 """
 
@@ -74,6 +74,27 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
 def test_pallas_bf16_matches_float64_reference(t, d):
   args, cts = _inputs(t, d, seed=t * 1000 + d)
   _check("pallas", args, cts, label=f"pallas T={t} D={d}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+def test_kda_pallas_matches_float64_reference(dtype):
+  """KDA (per-channel gate) through the kernels at a training shape, fla's
+  KDA inputs."""
+  args, cts = _inputs(1024, 128, seed=11, bsz=2, h=4, per_channel=True,
+                      nonnegative_qk=True)
+  _check("pallas", args, cts, dtype=dtype, label=f"kda pallas {dtype}")
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_kda_pallas_strong_gates(chunk_size):
+  """Gates of -5 on every token of a chunk and -30 on single tokens, b near
+  2, aligned keys (:func:`utils.strong_kda_inputs`): finite, and float32
+  inputs match the float64 reference."""
+  x = utils.strong_kda_inputs(3, batch=2, length=512, heads=2, key_dim=128,
+                              value_dim=128, chunk_size=chunk_size)
+  _check("pallas", tuple(x), utils.random_cotangents(4, x), dtype=jnp.float32,
+         label=f"kda pallas strong gates C={chunk_size}",
+         chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("h,hv", [(2, 4), (4, 8)])
