@@ -30,8 +30,9 @@ from deltajax.pallas.core import SUB
 
 
 @dataclasses.dataclass(frozen=True)
-class _ChannelTiles:
-  """The ``[16, 16]`` tiles of the scores of a per-channel gate.
+class ChannelTiles:
+  """The ``[16, 16]`` tiles of the scores of a per-channel gate (the UT
+  inverse takes them as tiles, the other kernels as one matrix).
 
   Refs: x, y ``[C, K]``, g ``[C, K]`` (float32), cuts ``[C]`` or None.
   """
@@ -44,6 +45,7 @@ class _ChannelTiles:
 
   @property
   def n(self) -> int:
+    """16-token blocks in the chunk."""
     return self.g_ref.shape[0] // SUB
 
   def _load(self, ref, rows):
@@ -166,7 +168,7 @@ class Scores:
   matrix: object
   dot: core.Dot
   decay: object = None
-  tiles: _ChannelTiles | None = None
+  tiles: ChannelTiles | None = None
 
   def vjp(self, d, x, y, g):
     """``(dx, dy, dg)`` from the cotangent ``d [C, C]`` of ``matrix``; x, y
@@ -195,12 +197,5 @@ def scores(x_ref, y_ref, g_ref, cuts_ref, *, x, y, g, cuts, strict,
   if not core.per_channel(g):
     e = core.decay(g, g, core.causal(x.shape[0], strict=strict), cuts, cuts)
     return Scores(dot(x, y, trans_b=True) * e, dot, decay=e)
-  tiles = channel_tiles(x_ref, y_ref, g_ref, cuts_ref, strict=strict, dot=dot)
+  tiles = ChannelTiles(x_ref, y_ref, g_ref, cuts_ref, strict, dot)
   return Scores(tiles.matrix(), dot, tiles=tiles)
-
-
-def channel_tiles(x_ref, y_ref, g_ref, cuts_ref, *, strict,
-                  dot) -> _ChannelTiles:
-  """The ``[16, 16]`` tiles of a per-channel gate's scores (the UT inverse
-  takes them as tiles)."""
-  return _ChannelTiles(x_ref, y_ref, g_ref, cuts_ref, strict, dot)

@@ -88,8 +88,8 @@ def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, t_ref, dot):
   acc = core.accumulator(k_ref.dtype)
   beta = [b_ref[s].astype(acc) for s in sub]
   if core.per_channel(g_ref):
-    tiles = scores.channel_tiles(k_ref, k_ref, g_ref, cuts_ref, strict=True,
-                                 dot=dot).tiles()
+    tiles = scores.ChannelTiles(k_ref, k_ref, g_ref, cuts_ref, strict=True,
+                                dot=dot).tiles()
   else:
     k = [k_ref[s, :] for s in sub]
     g = [g_ref[s].astype(acc) for s in sub]
