@@ -9,6 +9,12 @@ never formed) -> :func:`output.output` (parallel). Backward:
 chunk-entry states and recomputes ``W``, ``U``: memory
 ``O(T (K + V) + (T / C) K V)`` per value head.
 
+The gate's width W (1: Gated DeltaNet's scalar gate, K: KDA's per-channel
+gate) is static: the cumulative gate is ``[B, HV, T]`` or ``[B, HV, T, K]``,
+and the kernels branch on it where the math differs (:mod:`core`'s gate
+helpers, :mod:`scores`); for W = 1 they do exactly the scalar gate's work.
+The gate cotangent is per channel for W = K (da ``[B, T, HV, K]``).
+
 Every kernel runs over the HV value heads and reads q/k head ``j // G``
 through its index maps (GVA); dq and dk are formed per value head and summed
 over each group here. Cuts and packed sequences (``chunk_seq``) are optional

@@ -2,6 +2,8 @@
 
 Grids run over value heads; q/k head ``j // G`` comes through the index maps
 (GVA). With cuts, ``Gamma`` and ``e^g`` are the masked decays of :mod:`core`.
+For a per-channel gate, ``Q e^g`` is per channel and ``Gamma * Q K^T`` is
+:mod:`scores`' (its VJP gives the gate's cotangent per channel).
 """
 
 from __future__ import annotations

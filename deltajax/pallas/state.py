@@ -5,6 +5,10 @@ One program per (batch, value head, V block) walks the chunks with the state
 stays on this path (ANCHORS: the sequential path is latency-bound): forward,
 ``Delta`` and the state update; backward, the state cotangent.
 
+A per-channel gate decays the keys (``K e^g``, ``K e^{g_C - g}``, in k's
+dtype) instead of the values, and the state's rows by ``e^{g_C}`` (``[K]``;
+:func:`core.decayed_dot`, :func:`core.on_state`).
+
 Optional inputs, each a static branch (none of their work without them):
 ``cuts`` (the chunk-local cumulative cut count: the decays of :mod:`core` are
 0 across a cut) and ``chunk_seq`` (packed sequences, B = 1: chunk m belongs to

@@ -12,7 +12,9 @@ and ``U = T diag(b) V`` for the backward; the forward scan applies T itself.
 
 Every kernel here is parallel over (batch, value head, chunk). Value head j
 reads q/k head ``j // G`` through its index map (GVA). With cuts, ``Gamma``
-and ``e^g`` are the masked decays of :mod:`core` (0 across a cut).
+and ``e^g`` are the masked decays of :mod:`core` (0 across a cut). For a
+per-channel gate, ``Gamma * K K^T`` is :mod:`scores`' tiles and ``K e^g``
+is per channel.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
 
   Args:
     k: ``[B, T, H, K]`` (K a power of two); g: ``[B, HV, T]`` chunk-local
-      cumulative log gate (``[B, HV, T, K]`` per channel); b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
+      cumulative log gate (``[B, HV, T, K]`` per channel); b:
+      ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
       chunk-local cumulative cut count, or None; heads: HV.
 
   Returns:
