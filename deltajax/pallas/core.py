@@ -267,10 +267,18 @@ def on_state(e):
   return e if e.ndim == 0 else e[:, None]
 
 
-def key_sum(x, g, axis: int = -1):
-  """``x`` summed over its key ``axis`` for a scalar gate ``g``; ``x`` as is
-  for a per-channel one (a gate cotangent reduced to the gate's width)."""
-  return x if per_channel(g) else jnp.sum(x, axis=axis)
+def key_sum(x, g):
+  """``x [C, K]`` summed over K for a scalar gate ``g``; ``x`` as is for a
+  per-channel one (a gate cotangent reduced to the gate's width)."""
+  return x if per_channel(g) else jnp.sum(x, axis=-1)
+
+
+def gate_total(x, g, keys_axis: int):
+  """``x`` summed to the chunk-end gate's width: over every axis for a
+  scalar gate g (a scalar), over all but ``keys_axis`` per channel (``[K]``)."""
+  if not per_channel(g):
+    return jnp.sum(x)
+  return jnp.sum(x, axis=tuple(a for a in range(x.ndim) if a != keys_axis))
 
 
 def decayed_dot(e, k, s, dot: Dot):

@@ -216,7 +216,7 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
     s, d_next = s_ref[:, vs], dnext_ref[:, vs]
     d_k_end += dot(delta_ref[:, vs].astype(dtype), d_next.astype(dtype),
                    trans_b=True)
-    d_s_sum += core.key_sum(jnp.sum(d_next * s, axis=1), g, axis=0)
+    d_s_sum += core.gate_total(d_next * s, g, keys_axis=0)
     d_w -= dot(dd_ref[:, vs].astype(dtype), s.astype(dtype), trans_b=True)
   # Each cotangent piece is folded into dk, dg, db as soon as it is known,
   # so few [C, K] float32 tiles are live at once (register pressure).
@@ -226,7 +226,7 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
   k_end = k_acc * to_end
   dk = dk_out_ref[...] + d_k_end * to_end
   dg = dg_out_ref[...] - core.key_sum(k_end * d_k_end, g)
-  d_g_end = (jnp.sum(core.key_sum(k_end * d_k_end, g), axis=0)
+  d_g_end = (core.gate_total(k_end * d_k_end, g, keys_axis=1)
              + core.over_chunk(g_end, cuts_end) * d_s_sum)
   # [W | U] = T diag(b) [K e^g | V]: d[W | U] -> dX = T^T d[W | U], dM.
   t = t_ref[...].astype(dtype)
