@@ -38,14 +38,16 @@ def _decay(a_ref, dtype):
 def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, o_ref,
                  new_s_ref, scale):
   dtype = new_s_ref.dtype
+  q = q_ref[...].astype(dtype)[:, None] * scale
   k = k_ref[...].astype(dtype)[:, None]
   s = s_ref[...].astype(dtype) * _decay(a_ref, dtype)
   prediction = jnp.sum(s * k, axis=0)
   residual = b_ref[0].astype(dtype) * (v_ref[...].astype(dtype) - prediction)
-  s = s + k * residual[None, :]
-  q = q_ref[...].astype(dtype)[:, None] * scale
-  o_ref[...] = jnp.sum(q * s, axis=0).astype(o_ref.dtype)
-  new_s_ref[...] = s
+  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions read the decayed
+  # state, so neither waits for the other.
+  o = jnp.sum(q * s, axis=0) + jnp.sum(q * k) * residual
+  o_ref[...] = o.astype(o_ref.dtype)
+  new_s_ref[...] = s + k * residual[None, :]
 
 
 def _launch(state, q, k, v, a, b, *, scale, config):
