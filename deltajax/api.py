@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltajax import common
-from deltajax import pallas
 from deltajax import registry
 from deltajax.pallas import step as pallas_step
 
@@ -399,8 +398,7 @@ def _step_impl(impl: str, dk: int, dv: int) -> str:
                      f"gated_delta_step; got {impl!r}")
   if impl != "auto":
     return impl
-  cc = pallas.gpu_capability()
-  native = cc is not None and cc >= pallas.MIN_CAPABILITY
+  native = registry.REGISTRY["pallas"].runs_natively()
   return "pallas" if native and pallas_step.supported(dk, dv) else "jnp"
 
 
