@@ -21,6 +21,7 @@ from deltajax import registry
 from deltajax.pallas import step as pallas_step
 
 IMPLEMENTATIONS = registry.IMPLEMENTATIONS
+STEP_IMPLEMENTATIONS = ("auto", "jnp", "pallas")  # of gated_delta_step
 
 LOG_DECAY_FLOOR = common.LOG_DECAY_FLOOR  # a = -inf is clamped here
 L2_EPS = 1e-6
@@ -359,8 +360,8 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
       interpret mode off the GPU) or "auto": "pallas" on an NVIDIA GPU of
       compute capability >= 8.0 when K and V are powers of two >= 16 (else
       the kernel would pad the state every step), "jnp" otherwise. The
-      kernel updates the state in place inside a loop or when the state is
-      donated; gradients go through the jnp step.
+      kernel updates the state in place inside a loop, or when the state is
+      donated to an enclosing jit; gradients go through the jnp step.
 
   Returns:
     ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
@@ -386,9 +387,6 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
   scale = _check_scale(scale, dk)
   return _step(state, q, k, v, a, b, scale=scale,
                impl=_step_impl(impl, dk, v.shape[-1]))
-
-
-STEP_IMPLEMENTATIONS = ("auto", "jnp", "pallas")
 
 
 def _step_impl(impl: str, dk: int, dv: int) -> str:
