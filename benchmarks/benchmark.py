@@ -163,8 +163,11 @@ def time_fla(fla, inputs, reps):
   return t_fwd, median_ms(fwd_bwd, reps, sync), o, memory
 
 
-def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn"):
-  """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop."""
+def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn",
+                     step_fn=deltajax.gated_delta_step):
+  """Microseconds per :func:`deltajax.gated_delta_step` (its impl="auto": the
+  Pallas kernel on the GPU), or ``step_fn`` of the same signature, inside a
+  jitted loop."""
   q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   a, b = jnp.asarray(a), jnp.asarray(b)
@@ -173,8 +176,7 @@ def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn"):
   def decode(state):
     def step(t, carry):
       state, acc = carry
-      o, state = deltajax.gated_delta_step(state, q[:, t], k[:, t], v[:, t],
-                                           a[:, t], b[:, t])
+      o, state = step_fn(state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
       return state, acc + o[..., 0].astype(jnp.float32)
     return jax.lax.fori_loop(0, steps, step,
                              (state, jnp.zeros((bsz, h), jnp.float32)))
