@@ -357,11 +357,12 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
     b: ``[B, HV]``.
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
-      interpret mode off the GPU) or "auto": "pallas" on an NVIDIA GPU of
-      compute capability >= 8.0 when K and V are powers of two >= 16 (else
-      the kernel would pad the state every step), "jnp" otherwise. The
-      kernel updates the state in place inside a loop, or when the state is
-      donated to an enclosing jit; gradients go through the jnp step.
+      interpret mode off the GPU) or "auto", which is "jnp" everywhere for
+      now: the kernel has passed its CPU checks (interpret mode and its
+      Triton lowering) but has not yet been compiled and timed on a GPU, so
+      it is opt-in. The kernel updates the state in place inside a loop, or
+      when the state is donated to an enclosing jit; gradients go through
+      the jnp step.
 
   Returns:
     ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
@@ -386,18 +387,15 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
   _check_shape("state", state, (bsz, hv, dk, v.shape[-1]), "[B, HV, K, V]")
   scale = _check_scale(scale, dk)
   return _step(state, q, k, v, a, b, scale=scale,
-               impl=_step_impl(impl, dk, v.shape[-1]))
+               impl=_step_impl(impl))
 
 
-def _step_impl(impl: str, dk: int, dv: int) -> str:
+def _step_impl(impl: str) -> str:
   """The step's implementation, "jnp" or "pallas", for ``impl``."""
   if impl not in STEP_IMPLEMENTATIONS:
     raise ValueError(f"impl must be one of {STEP_IMPLEMENTATIONS} for "
                      f"gated_delta_step; got {impl!r}")
-  if impl != "auto":
-    return impl
-  native = registry.REGISTRY["pallas"].runs_natively()
-  return "pallas" if native and pallas_step.supported(dk, dv) else "jnp"
+  return "jnp" if impl == "auto" else impl
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl"))

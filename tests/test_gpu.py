@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import deltajax
-from deltajax import api
 from deltajax import pallas
 import utils
 
@@ -152,7 +151,6 @@ def _decode(impl, state, q, k, v, a, b):
 def test_step_kernel_matches_jnp_and_float64(gate, h):
   """B = 4, HV = 16, K = V = 128 (benchmarks/benchmark.py's decoding step),
   32 steps with bf16 q, k, v, float32 gates and state, some a = -inf."""
-  assert api._step_impl("auto", 128, 128) == "pallas"
   x = utils.random_inputs(3 + h, batch=4, length=32, heads=h, key_dim=128,
                           value_dim=128, per_channel=gate == "kda",
                           state_scale=0.1, value_heads=16)

@@ -10,9 +10,8 @@ communication: more programs than the B HV heads (64 at B = 4, H = 16, on
 donates the state; otherwise XLA copies the state first.
 
 K and V are padded with zeros to :func:`core.padded_dim` (the padding stays
-0), which copies the state every step: ``impl="auto"`` takes the kernel only
-for head dims that need no padding (:func:`supported`), and the jnp step
-otherwise.
+0), which copies the state every step; head dims that need no padding
+(:func:`supported`) run on the state as it is.
 """
 
 from __future__ import annotations
