@@ -1,9 +1,9 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
-    python benchmarks/benchmark.py [--gate gdn|kda] [--shapes 4,4096,16,128 ...]
+    python benchmarks/benchmark.py [--gate gdn|kda] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
         [--reps 20] [--impls scan chunked pallas] [--out DIR]
 
-For each shape (B, T, H, D), bf16 q/k/v (L2-normalised k), float32 gates
+For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
 KDA): forward and forward+backward of each implementation, of jla
 (``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule`` or
@@ -39,17 +39,20 @@ def log(msg: str) -> None:
 
 
 def make_inputs(shape, seed=0, gate="gdn"):
-  """numpy float32 q, k, v ``[B, T, H, D]``, a ``[B, T, H]`` (``[B, T, H, D]``
-  for KDA), b ``[B, T, H]``, do ``[B, T, H, D]``."""
-  bsz, t, h, d = shape
+  """numpy float32 q, k ``[B, T, H, D]``, v ``[B, T, HV, D]``, a
+  ``[B, T, HV]`` (``[B, T, HV, D]`` for KDA), b ``[B, T, HV]``, do
+  ``[B, T, HV, D]``, for ``shape`` (B, T, H, D) or, with grouped value
+  heads, (B, T, H, HV, D)."""
+  bsz, t, h, *hv, d = shape
+  hv = hv[0] if hv else h
   rng = np.random.default_rng(seed)
-  q, k, v, do = (rng.standard_normal((bsz, t, h, d), np.float32)
-                 for _ in range(4))
+  q, k = (rng.standard_normal((bsz, t, h, d), np.float32) for _ in range(2))
+  v, do = (rng.standard_normal((bsz, t, hv, d), np.float32) for _ in range(2))
   q /= np.linalg.norm(q, axis=-1, keepdims=True)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  a_shape = (bsz, t, h, d) if gate == "kda" else (bsz, t, h)
+  a_shape = (bsz, t, hv, d) if gate == "kda" else (bsz, t, hv)
   a = -np.logaddexp(0, rng.standard_normal(a_shape)).astype(np.float32) / 8
-  b = (1 / (1 + np.exp(-rng.standard_normal((bsz, t, h))))).astype(np.float32)
+  b = (1 / (1 + np.exp(-rng.standard_normal((bsz, t, hv))))).astype(np.float32)
   return q, k, v, a, b, do
 
 
@@ -160,8 +163,11 @@ def time_fla(fla, inputs, reps):
   return t_fwd, median_ms(fwd_bwd, reps, sync), o, memory
 
 
-def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn"):
-  """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop."""
+def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn",
+                     step_fn=deltajax.gated_delta_step):
+  """Microseconds per :func:`deltajax.gated_delta_step` (its impl="auto": the
+  Pallas kernel on the GPU), or ``step_fn`` of the same signature, inside a
+  jitted loop."""
   q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   a, b = jnp.asarray(a), jnp.asarray(b)
@@ -170,8 +176,7 @@ def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn"):
   def decode(state):
     def step(t, carry):
       state, acc = carry
-      o, state = deltajax.gated_delta_step(state, q[:, t], k[:, t], v[:, t],
-                                           a[:, t], b[:, t])
+      o, state = step_fn(state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
       return state, acc + o[..., 0].astype(jnp.float32)
     return jax.lax.fori_loop(0, steps, step,
                              (state, jnp.zeros((bsz, h), jnp.float32)))
@@ -232,7 +237,7 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
 def table(rows) -> str:
   peers = {p: {r["shape"]: r for r in rows if r["impl"] == p}
            for p in ("jla", "fla")}
-  lines = ["| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd / jla | "
+  lines = ["| B, T, H[, HV], D | impl | fwd ms | fwd+bwd ms | fwd / jla | "
            "fwd+bwd / jla | fwd / fla | fwd+bwd / fla | o rel. RMS vs chunked "
            "| bwd temp MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -286,7 +291,8 @@ def plot(rows, path):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="*", default=None,
-                      help="B,T,H,D entries (default: the issue's list)")
+                      help="B,T,H,D or B,T,H,HV,D entries (default: the "
+                      "issue's list)")
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--peers", nargs="*", default=("jla", "fla"),

@@ -18,8 +18,10 @@ import numpy as np
 
 from deltajax import common
 from deltajax import registry
+from deltajax.pallas import step as pallas_step
 
 IMPLEMENTATIONS = registry.IMPLEMENTATIONS
+STEP_IMPLEMENTATIONS = ("auto", "jnp", "pallas")  # of gated_delta_step
 
 LOG_DECAY_FLOOR = common.LOG_DECAY_FLOOR  # a = -inf is clamped here
 L2_EPS = 1e-6
@@ -344,7 +346,7 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
   return (o, final_state) if return_final_state else o
 
 
-def gated_delta_step(state, q, k, v, a, b, *, scale=None):
+def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
   """One decoding step of the gated delta rule.
 
   Args:
@@ -354,9 +356,17 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None):
     a: ``[B, HV]`` (scalar gate) or ``[B, HV, K]`` (per-channel gate).
     b: ``[B, HV]``.
     scale: defaults to ``K ** -0.5``.
+    impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
+      interpret mode off the GPU) or "auto", which is "jnp" everywhere for
+      now: the kernel has passed its CPU checks (interpret mode and its
+      Triton lowering) but has not yet been compiled and timed on a GPU, so
+      it is opt-in. The kernel updates the state in place inside a loop, or
+      when the state is donated to an enclosing jit; gradients go through
+      the jnp step.
 
   Returns:
-    ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]``.
+    ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
+    float32 (float64 for float64 inputs).
   """
   state, q, k, v, a, b = (jnp.asarray(x) for x in (state, q, k, v, a, b))
   for name, x in (("state", state), ("q", q), ("k", k), ("v", v), ("a", a),
@@ -376,17 +386,52 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None):
   _check_shape("b", b, (bsz, hv), "[B, HV]")
   _check_shape("state", state, (bsz, hv, dk, v.shape[-1]), "[B, HV, K, V]")
   scale = _check_scale(scale, dk)
-  return _step(state, q, k, v, a, b, scale=scale)
+  return _step(state, q, k, v, a, b, scale=scale,
+               impl=_step_impl(impl))
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _step(state, q, k, v, a, b, *, scale):
-  dtype = common.compute_dtype(q, k, v)
+def _step_impl(impl: str) -> str:
+  """The step's implementation, "jnp" or "pallas", for ``impl``."""
+  if impl not in STEP_IMPLEMENTATIONS:
+    raise ValueError(f"impl must be one of {STEP_IMPLEMENTATIONS} for "
+                     f"gated_delta_step; got {impl!r}")
+  return "jnp" if impl == "auto" else impl
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "impl"))
+def _step(state, q, k, v, a, b, *, scale, impl):
+  state = state.astype(common.compute_dtype(q, k, v))
+  fn = _pallas_step if impl == "pallas" else _jnp_step
+  return fn(state, q, k, v, a, b, scale)
+
+
+def _jnp_step(state, q, k, v, a, b, scale):
+  """:func:`common.token_step` on repeated q/k heads; state in the compute dtype."""
+  dtype = state.dtype
   groups = v.shape[1] // q.shape[1]
   q, k = (x if groups == 1 else jnp.repeat(x, groups, axis=1) for x in (q, k))
   a = jnp.maximum(a.astype(dtype), LOG_DECAY_FLOOR)
   a = a[..., None] if a.ndim == 2 else a
   new_state, o = common.token_step(
-      state.astype(dtype), q.astype(dtype) * scale, k.astype(dtype),
-      v.astype(dtype), a, b.astype(dtype))
+      state, q.astype(dtype) * scale, k.astype(dtype), v.astype(dtype), a,
+      b.astype(dtype))
   return o.astype(v.dtype), new_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _pallas_step(state, q, k, v, a, b, scale):
+  """The kernel's step; its VJP is the jnp step's (recomputed)."""
+  return pallas_step.gated_delta_step_pallas(state, q, k, v, a, b,
+                                             scale=scale)
+
+
+def _pallas_step_fwd(state, q, k, v, a, b, scale):
+  return _pallas_step(state, q, k, v, a, b, scale), (state, q, k, v, a, b)
+
+
+def _pallas_step_bwd(scale, inputs, cotangents):
+  _, pullback = jax.vjp(lambda *x: _jnp_step(*x, scale), *inputs)
+  return pullback(cotangents)
+
+
+_pallas_step.defvjp(_pallas_step_fwd, _pallas_step_bwd)

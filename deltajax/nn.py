@@ -309,8 +309,9 @@ class DeltaRuleLayer(nnx.Module):
         self.qkv_proj(x), self.conv_kernel[...].astype(self.dtype), history,
         segment_ids)
     q, k, v = self._split_heads(nnx.silu(qkv))
-    q, k = (l2_normalize(z.astype(jnp.float32), divide=self.l2_divide)
-            for z in (q, k))
+    # Normalised in float32 and handed to the rule in the layer's dtype (the
+    # kernels' dots run in it, as fla's layers do).
+    q, k = (l2_normalize(z, divide=self.l2_divide) for z in (q, k))
     beta = nnx.sigmoid(self.b_proj(x).astype(jnp.float32))
     if self.allow_neg_eigval:
       beta = 2.0 * beta

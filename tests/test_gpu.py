@@ -3,8 +3,9 @@
 16-bit inputs, float32 gates and initial state, against the float64 chunked
 reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
-dims and on KDA; impl="auto" (what a user gets) on grouped value heads, packed
-sequences, fla's GDN test grid and fla's KDA test shapes.
+dims and on KDA; impl="auto" (what a user gets) on grouped value heads,
+packed sequences, fla's GDN test grid and fla's KDA test shapes; the
+decoding step's kernel in a jitted loop at the benchmark's shape.
 """
 
 import jax
@@ -149,3 +150,47 @@ def test_auto_fla_kda_shapes(shape, div):
   args, cts = _inputs(t, d, seed=t + d, bsz=bsz, h=h, per_channel=True,
                       gate_div=div, nonnegative_qk=True)
   _check("auto", args, cts, label=f"auto KDA {shape} /{div}")
+
+
+def _decode(impl, state, q, k, v, a, b):
+  """``(o [B, T, HV, V], state)``: :func:`deltajax.gated_delta_step` over T
+  tokens in a jitted ``lax.scan``."""
+  def step(state, token):
+    o, state = deltajax.gated_delta_step(state, *token, impl=impl)
+    return state, o
+
+  @jax.jit
+  def run(state, tokens):
+    state, o = jax.lax.scan(step, state, tokens)
+    return jnp.moveaxis(o, 0, 1), state
+
+  return run(state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, a, b)))
+
+
+@pytest.mark.parametrize("gate", ("gdn", "kda"))
+@pytest.mark.parametrize("h", (16, 8), ids=("H16", "H8_HV16"))
+def test_step_kernel_matches_jnp_and_float64(gate, h):
+  """B = 4, HV = 16, K = V = 128 (benchmarks/benchmark.py's decoding step),
+  32 steps with bf16 q, k, v, float32 gates and state, some a = -inf."""
+  x = utils.random_inputs(3 + h, batch=4, length=32, heads=h, key_dim=128,
+                          value_dim=128, per_channel=gate == "kda",
+                          state_scale=0.1, value_heads=16)
+  a = x.a.copy()
+  a[:, 5, 3] = -np.inf
+  with jax.enable_x64(True):
+    low = (jnp.asarray(x.initial_state, jnp.float32),
+           *(jnp.asarray(y, jnp.bfloat16) for y in (x.q, x.k, x.v)),
+           *(jnp.asarray(y, jnp.float32) for y in (a, x.b)))
+    ref = _decode("jnp", *(y.astype(jnp.float64) for y in low))
+    got = _decode("pallas", *low)
+    jnp_f32 = _decode("jnp", *low)
+  # The kernel's float32 state is exact to rounding (about 6e-8 on the CPU);
+  # o is rounded to bf16. jnp may use TF32 products on the GPU.
+  for name, bound, g, r, j in zip(("o", "s"), (TOLERANCES["o"], 1e-5), got,
+                                  ref, jnp_f32):
+    g, r, j = (np.asarray(y, np.float64) for y in (g, r, j))
+    error, vs_jnp = (np.linalg.norm(g - y) / np.linalg.norm(y) for y in (r, j))
+    print(f"step {gate} H={h} {name}: {error:.1e} against float64, "
+          f"{vs_jnp:.1e} against jnp float32")
+    assert error <= bound, (name, error)
+    assert vs_jnp <= TOLERANCES[name], (name, vs_jnp)

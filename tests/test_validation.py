@@ -123,6 +123,8 @@ BAD_STEPS = {
                     dict(state=_zeros(B, H, V, K))),
     "integer v": (TypeError, r"v must be a floating-point array",
                   dict(v=jnp.ones((B, H, V), jnp.int32))),
+    "impl": (ValueError, r"impl must be one of \('auto', 'jnp', 'pallas'\)",
+             dict(impl="scan")),
 }
 
 

@@ -37,8 +37,9 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Every launch knob of impl="pallas", with the defaults tuned on the H200
-  (benchmarks/RESULTS.md, benchmarks/profile_kernels.py).
+  """Every launch knob of impl="pallas" (``step``: the decoding step's), with
+  the defaults tuned on the H200 (benchmarks/RESULTS.md,
+  benchmarks/profile_kernels.py).
 
   ``interpret``: None picks interpret mode exactly when the default backend
   is not a GPU; :meth:`resolve` fixes it once per call of the entry point.
@@ -52,6 +53,7 @@ class KernelConfig:
   output_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
   ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
   interpret: bool | None = None
   precision: str = "tf32x3"
 
@@ -96,7 +98,7 @@ def interpret_mode() -> bool:
 
 
 def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
-         name: str, **static):
+         name: str, aliases=None, **static):
   """``pl.pallas_call`` through Triton (or interpreted), with named refs.
 
   Args:
@@ -105,6 +107,8 @@ def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
       kernel takes its static fast path).
     inputs: ``{name: (array or None, BlockSpec)}``.
     outputs: ``{name: (ShapeDtypeStruct, BlockSpec)}``.
+    aliases: ``{input name: output name}``: the output is written into the
+      input's buffer (``input_output_aliases``; same shape and dtype).
 
   Returns:
     the outputs, in the order of ``outputs`` (a tuple when there are several).
@@ -124,6 +128,8 @@ def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
       out_specs=out_specs[0] if single else out_specs,
       out_shape=out_shape[0] if single else out_shape,
       interpret=interpret, name=name,
+      input_output_aliases={present.index(i): out_names.index(o)
+                            for i, o in (aliases or {}).items()},
       compiler_params=None if interpret else pl_triton.CompilerParams(
           num_warps=launch.num_warps, num_stages=launch.num_stages))
   with warnings.catch_warnings():
