@@ -3,6 +3,8 @@
 Small shapes: every kernel runs element by element here.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -302,6 +304,35 @@ def test_contract_packed_sequences(cuts, per_channel):
       5 + cuts, bsz=1, t=16 * len(chunk_seq), h=1, hv=2, d=20, chunk_size=16,
       cuts=cuts, chunk_seq=chunk_seq, n_seq=5, per_channel=per_channel)
   _check_contract(args, cut, chunk_seq, cts, 16)
+
+
+@pytest.mark.parametrize("packing", ["cu_seqlens", "segment_ids"])
+def test_kda_packed_through_the_api(packing):
+  """``deltajax.kda(impl="pallas")`` with cu_seqlens (one sequence shorter
+  than a chunk, one over two chunks) or segment_ids (cuts mid-chunk),
+  grouped value heads, against impl="chunked" in float64."""
+  x = utils.random_inputs(9, batch=1, length=40, heads=1, value_heads=2,
+                          key_dim=20, value_dim=12, per_channel=True,
+                          states=2 if packing == "cu_seqlens" else 1)
+  packed = ({"cu_seqlens": jnp.asarray([0, 7, 40])} if packing == "cu_seqlens"
+            else {"segment_ids": jnp.asarray([[0] * 7 + [1] * 20 + [2] * 13])})
+  cts = utils.random_cotangents(9, x)
+
+  def run(impl, args):
+    def f(*x):
+      return deltajax.kda(*x[:5], initial_state=x[5], impl=impl,
+                          chunk_size=16, return_final_state=True, **packed)
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(tuple(jnp.asarray(c) for c in cts))
+
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(t) for t in x)
+    got, got_grads = jax.jit(functools.partial(run, "pallas"))(args)
+    ref, ref_grads = jax.jit(functools.partial(run, "chunked"))(args)
+  for name, g, r in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
+                         "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
+    assert utils.relative_max_error(g, r) < 1e-10, (
+        name, utils.relative_max_error(g, r))
 
 
 def test_pallas_kda_strong_gates_are_stable():
