@@ -77,7 +77,8 @@ def test_pallas_bf16_matches_float64_reference(t, d):
   _check("pallas", args, cts, label=f"pallas T={t} D={d}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],
+                         ids=("bf16", "float32"))
 def test_kda_pallas_matches_float64_reference(dtype):
   """KDA (per-channel gate) through the kernels at a training shape, fla's
   KDA inputs."""
