@@ -56,6 +56,9 @@ class Implementation:
       Elsewhere it runs only if ``emulated`` (Pallas interpret mode).
     emulated: runs, slowly, off its native backends.
     min_capability: for "gpu", the lowest NVIDIA compute capability.
+    auto_gates: the gate kinds for which ``impl="auto"`` may pick it: those
+      whose kernels have been compiled and timed on their native backend
+      (None: all of ``gates``). Others run when asked for by name.
   """
   name: str
   fn: Callable
@@ -66,6 +69,7 @@ class Implementation:
   native: tuple[str, ...] = ("cpu", "gpu", "tpu")
   emulated: bool = False
   min_capability: tuple[int, int] | None = None
+  auto_gates: tuple[str, ...] | None = None
 
   def runs_natively(self) -> bool:
     """Whether it runs compiled on the default backend (and GPU)."""
@@ -76,6 +80,10 @@ class Implementation:
       cc = pallas.gpu_capability()
       return cc is not None and cc >= self.min_capability
     return True
+
+  def chosen_by_auto(self) -> tuple[str, ...]:
+    """The gate kinds for which "auto" may pick it."""
+    return self.gates if self.auto_gates is None else self.auto_gates
 
   def unsupported(self, *, gate: str, chunk_size: int, packed: bool,
                   grouped: bool) -> str | None:
@@ -110,7 +118,10 @@ REGISTRY = {
     "pallas": Implementation(
         "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
-        emulated=True, min_capability=pallas.MIN_CAPABILITY),
+        emulated=True, min_capability=pallas.MIN_CAPABILITY,
+        # The per-channel kernels pass their CPU checks (interpret mode,
+        # Triton lowering) but have not yet run on a GPU: opt-in until then.
+        auto_gates=("head",)),
 }
 
 IMPLEMENTATIONS = ("auto", *REGISTRY)
@@ -127,7 +138,8 @@ def select(impl: str, *, gate: str, length: int, chunk_size: int,
   """The implementation that runs a call: ``impl``, or the fastest for "auto".
 
   "auto" takes "pallas" where it runs natively (NVIDIA GPUs of compute
-  capability >= 8.0) and supports the call; else "scan" for short sequences
+  capability >= 8.0), supports the call and lists the gate in its
+  ``auto_gates``; else "scan" for short sequences
   on the CPU (:data:`SCAN_BELOW`); else "chunked".
 
   Raises:
@@ -137,7 +149,8 @@ def select(impl: str, *, gate: str, length: int, chunk_size: int,
                   grouped=grouped)
   if impl == "auto":
     pallas_impl = REGISTRY["pallas"]
-    if pallas_impl.runs_natively() and not pallas_impl.unsupported(**features):
+    if (pallas_impl.runs_natively() and gate in pallas_impl.chosen_by_auto()
+        and not pallas_impl.unsupported(**features)):
       return pallas_impl
     if jax.default_backend() == "cpu" and length < SCAN_BELOW[gate]:
       return REGISTRY["scan"]

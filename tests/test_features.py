@@ -181,3 +181,18 @@ def test_auto_picks_an_implementation_that_supports_the_gate(gate):
     chosen = registry.select("auto", gate=gate, length=length, chunk_size=64,
                              packed=False, grouped=False)
     assert gate in chosen.gates and chosen.runs_natively()
+
+
+@pytest.mark.parametrize("gate", ("head", "channel"))
+def test_auto_on_a_gpu_picks_pallas_only_for_its_auto_gates(gate, monkeypatch):
+  """On a GPU (faked here), "auto" takes the kernels for the gates they have
+  been timed on and the jnp chunked form for the others."""
+  pallas_impl = registry.REGISTRY["pallas"]
+  monkeypatch.setattr(type(pallas_impl), "runs_natively", lambda self: True)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  chosen = registry.select("auto", gate=gate, length=4096, chunk_size=64,
+                           packed=False, grouped=False)
+  expected = "pallas" if gate in pallas_impl.chosen_by_auto() else "chunked"
+  assert chosen.name == expected
+  assert registry.select("pallas", gate=gate, length=4096, chunk_size=64,
+                         packed=False, grouped=False) is pallas_impl
