@@ -1,18 +1,22 @@
 """``impl="pallas"``: the chunked algorithm as Pallas kernels, with its custom_vjp.
 
-Forward: :func:`ut.inverse` (parallel over chunks) ->
+Forward: :func:`ut.inverse` (parallel over chunks; for a per-channel gate
+:func:`ut.channel_inverse`, which also forms the output's scores ``P``) ->
 :func:`state.forward_scan` (sequential over chunks; applies T, so W and U are
 never formed) -> :func:`output.output` (parallel). Backward:
 :func:`ut.w_u` and :func:`output.output_backward` (parallel) ->
 :func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
-(parallel). The backward keeps the forward's ``T``, ``Delta`` and
-chunk-entry states and recomputes ``W``, ``U``: memory
+(parallel). The backward keeps the forward's ``T``, ``Delta``, chunk-entry
+states (and ``P``) and recomputes ``W``, ``U``: memory
 ``O(T (K + V) + (T / C) K V)`` per value head.
 
 The gate's width W (1: Gated DeltaNet's scalar gate, K: KDA's per-channel
 gate) is static: the cumulative gate is ``[B, HV, T]`` or ``[B, HV, T, K]``,
 and the kernels branch on it where the math differs (:mod:`core`'s gate
 helpers, :mod:`scores`); for W = 1 they do exactly the scalar gate's work.
+For W = K the intra-chunk scores are formed once, in the forward's first
+kernel; the backward's kernels take their VJP by products of the same
+factors, without forming them again.
 The gate cotangent is per channel for W = K (da ``[B, T, HV, K]``).
 
 Every kernel runs over the HV value heads and reads q/k head ``j // G``
@@ -139,19 +143,24 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   qp, kp, vp = _padded(q, k, v)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
-  t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
-                 launch=config.inverse, **shared)
+  if g.ndim == 4:
+    t, p = ut.channel_inverse(q=qp, k=kp, g=g, b=beta, cuts=cuts,
+                              heads=v.shape[2], scale=scale,
+                              launch=config.channel_inverse, **shared)
+  else:
+    t, p = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
+                      launch=config.inverse, **shared), None
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
       initial_state=s0, launch=config.forward_scan, **shared)
   o = output.output(q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta,
-                    scale=scale, out_dtype=v.dtype, launch=config.output,
+                    p=p, scale=scale, out_dtype=v.dtype, launch=config.output,
                     **shared)
   final = final[..., :q.shape[-1], :v.shape[-1]]
   if chunk_seq is not None:
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
                       final)
-  return (o[..., :v.shape[-1]], final), (t, states, delta)
+  return (o[..., :v.shape[-1]], final), (t, states, delta, p)
 
 
 def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
@@ -162,7 +171,7 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def _bwd(scale, chunk_size, config, residuals, cotangents):
-  q, k, v, a, b, initial_state, cut, chunk_seq, (t, states, delta) = residuals
+  q, k, v, a, b, initial_state, cut, chunk_seq, (t, states, delta, p) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
@@ -174,7 +183,7 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
                 **shared)
   dq, dk_out, dg_out, d_delta = output.output_backward(
-      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
+      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, d_o=d_o,
       scale=scale, launch=config.output_backward, **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,

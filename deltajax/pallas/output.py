@@ -2,8 +2,10 @@
 
 Grids run over value heads; q/k head ``j // G`` comes through the index maps
 (GVA). With cuts, ``Gamma`` and ``e^g`` are the masked decays of :mod:`core`.
-For a per-channel gate, ``Q e^g`` is per channel and ``Gamma * Q K^T`` is
-:mod:`scores`' (its VJP gives the gate's cotangent per channel).
+For a per-channel gate, ``Q e^g`` is per channel, the scores
+``P = scale Gamma * Q K^T`` come formed from :func:`ut.channel_inverse`, and
+their VJP is :class:`scores.ChannelScores`' (it gives the gate's cotangent
+per channel).
 """
 
 from __future__ import annotations
@@ -15,43 +17,51 @@ from deltajax.pallas import core
 from deltajax.pallas import scores
 
 
-def _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot):
-  """The decayed ``Q K^T`` on ``j <= i`` (:mod:`scores`; unscaled)."""
-  return scores.scores(q_ref, k_ref, g_ref, cuts_ref, x=q, y=k, g=g,
-                       cuts=cuts, strict=False, dot=dot)
-
-
-def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, o_ref,
-                   scale, dot):
-  q, k = q_ref[...], k_ref[...]
+def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
+                   o_ref, scale, dot):
+  q = q_ref[...]
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
-  qk = _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot).matrix
+  if p_ref is None:
+    qk = scores.scores(x=q, y=k_ref[...], g=g, cuts=cuts, strict=False,
+                       dot=dot).matrix
+    p = (qk * scale).astype(dtype)
+  else:
+    p = p_ref[...].astype(dtype)
   qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
   o = (dot(qg.astype(dtype), s_ref[...].astype(dtype))
-       + dot((qk * scale).astype(dtype), delta_ref[...].astype(dtype)))
+       + dot(p, delta_ref[...].astype(dtype)))
   o_ref[...] = o.astype(o_ref.dtype)
 
 
 def _output_backward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref,
-                            delta_ref, do_ref, dq_ref, dk_ref, dg_ref, dd_ref,
-                            scale, block_v, dot):
+                            delta_ref, do_ref, p_ref, dq_ref, dk_ref, dg_ref,
+                            dd_ref, scale, block_v, dot):
   q, k = q_ref[...], k_ref[...]
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
-  qk = _scores(q_ref, k_ref, g_ref, cuts_ref, q, k, g, cuts, dot)
-  scores_t = (qk.matrix * scale).astype(dtype)
-  d_scores, d_qg = 0, 0
+  if p_ref is None:
+    qk = scores.scores(x=q, y=k, g=g, cuts=cuts, strict=False, dot=dot)
+    p = (qk.matrix * scale).astype(dtype)
+  else:
+    p = p_ref[...].astype(dtype)
+  d_p, d_qg = 0, 0
   for vs in core.blocks(dd_ref.shape[1], block_v):
     d_o = do_ref[:, vs].astype(dtype)
-    d_scores += dot(d_o, delta_ref[:, vs].astype(dtype), trans_b=True)
+    d_p += dot(d_o, delta_ref[:, vs].astype(dtype), trans_b=True)
     d_qg += dot(d_o, s_ref[:, vs].astype(dtype), trans_b=True)
-    dd_ref[:, vs] = dot(scores_t, d_o, trans_a=True)
+    dd_ref[:, vs] = dot(p, d_o, trans_a=True)
   eg = core.on_keys(scale * core.from_start(g, cuts))
   qg = q.astype(acc) * eg
-  dq, dk, dg = qk.vjp(d_scores * scale, q, k, g)
+  if p_ref is None:
+    dq, dk, dg = qk.vjp(d_p * scale, q, k)
+  else:
+    channel = scores.ChannelScores(xs=(q_ref,), strict=(False,), y_ref=k_ref,
+                                   g_ref=g_ref, cuts_ref=cuts_ref, dot=dot)
+    (dq,), dk = channel.vjp([(d_p * scale,) * 2])
+    dg = q.astype(acc) * dq - k.astype(acc) * dk
   dq_ref[...] = (dq + d_qg * eg).astype(dq_ref.dtype)
   dk_ref[...] = dk
   dg_ref[...] = dg + core.key_sum(d_qg * qg, g)
@@ -68,18 +78,21 @@ def _specs(chunk_size, groups, dk, dv):
           lambda i, j, n, *v: (i, n, j, *(v or (0,)))),
       gate=core.block(None, None, c)(lambda i, j, n, *_: (i, j, n)),
       g=lambda g: core.gate_spec(g, c, lambda i, j, n, *_: (i, j, n)),
+      square=core.block(None, None, c, c)(lambda i, j, n, *_: (i, j, n, 0)),
       state=core.block(None, None, None, dk, dv)(
           lambda i, j, n, *v: (i, j, n, 0, *(v or (0,)))))
 
 
-def output(*, q, k, g, cuts, states, delta, chunk_size, scale, out_dtype,
+def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
            launch, interpret, dot):
   """Chunk outputs.
 
   Args:
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T]`` (``[B, HV, T, K]`` per
     channel); cuts: ``[B, HV, T]`` int32 or None;
-    states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``.
+    states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``; p: None for a
+    scalar gate (the kernel forms the scores), else ``[B, HV, T, C]`` from
+    :func:`ut.channel_inverse`.
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in ``out_dtype``.
@@ -92,16 +105,18 @@ def output(*, q, k, g, cuts, states, delta, chunk_size, scale, out_dtype,
       _output_kernel, grid=(bsz, heads, t_len // chunk_size, dv // bv),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
                   g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
-                  s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"])),
+                  s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"]),
+                  p_ref=(p, sp["square"])),
       outputs=dict(o_ref=(jax.ShapeDtypeStruct(delta.shape, out_dtype),
                           sp["vals"])),
       launch=launch, interpret=interpret, name="deltajax_output",
       scale=scale, dot=dot)
 
 
-def output_backward(*, q, k, g, cuts, states, delta, d_o, chunk_size, scale,
-                    launch, interpret, dot):
-  """Cotangents that flow from the output, chunk by chunk.
+def output_backward(*, q, k, g, cuts, states, delta, p, d_o, chunk_size,
+                    scale, launch, interpret, dot):
+  """Cotangents that flow from the output, chunk by chunk (p as in
+  :func:`output`).
 
   Returns:
     ``(dq [B, T, HV, K], dk [B, T, HV, K], dg (g's shape), d_delta
@@ -119,7 +134,7 @@ def output_backward(*, q, k, g, cuts, states, delta, d_o, chunk_size, scale,
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
                   g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
                   s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"]),
-                  do_ref=(d_o, sp["vals"])),
+                  do_ref=(d_o, sp["vals"]), p_ref=(p, sp["square"])),
       outputs=dict(
           dq_ref=(jax.ShapeDtypeStruct(
               per_head, q.dtype if heads == h else acc), sp["keys"]),

@@ -13,8 +13,9 @@ and ``U = T diag(b) V`` for the backward; the forward scan applies T itself.
 Every kernel here is parallel over (batch, value head, chunk). Value head j
 reads q/k head ``j // G`` through its index map (GVA). With cuts, ``Gamma``
 and ``e^g`` are the masked decays of :mod:`core` (0 across a cut). For a
-per-channel gate, ``Gamma * K K^T`` is :mod:`scores`' tiles and ``K e^g``
-is per channel.
+per-channel gate, :func:`channel_inverse` forms ``Gamma * K K^T`` and the
+output's scores once (:class:`scores.ChannelScores`), and ``K e^g`` is per
+channel.
 """
 
 from __future__ import annotations
@@ -82,30 +83,51 @@ def inverse_blocks(a_block, n: int, dot: core.Dot, precision: str = "ieee"):
   return t
 
 
+def invert(tiles, beta, n: int, dtype, dot: core.Dot):
+  """``(I + diag(b) A)^-1`` ``[C, C]`` float32 from the ``[16, 16]`` tiles
+  ``{(i, j): A_ij}`` (``j <= i``) of the strictly lower A and ``beta``: n
+  ``[16]`` pieces of b. It is used in ``dtype`` (k's): for 16-bit inputs,
+  one TF32 pass (10-bit mantissas) is more than enough; float32 inputs get
+  exact products."""
+  precision = "ieee" if dtype == jnp.float32 else "tf32"
+  return core.assemble(
+      inverse_blocks(lambda i, j: beta[i][:, None] * tiles[i, j], n, dot,
+                     precision), n)
+
+
 def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, t_ref, dot):
-  """One chunk: ``k [C, K]``, ``g [C]`` (``[C, K]`` per channel), ``b, cuts
-  [C]`` -> ``T [C, C]``."""
+  """One chunk, scalar gate: ``k [C, K]``, ``g, b, cuts [C]`` -> ``T [C, C]``."""
   n = k_ref.shape[0] // SUB
   sub = [pl.ds(i * SUB, SUB) for i in range(n)]
   acc = core.accumulator(k_ref.dtype)
+  k = [k_ref[s, :] for s in sub]
+  g = [g_ref[s].astype(acc) for s in sub]
+  cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
+  tiles = {(i, j): dot(k[i], k[j], trans_b=True) * core.decay(
+      g[i], g[j], core.causal(SUB, strict=True) if i == j else True,
+      cuts[i], cuts[j]) for i in range(n) for j in range(i + 1)}
   beta = [b_ref[s].astype(acc) for s in sub]
-  if core.per_channel(g_ref):
-    tiles = scores.ChannelTiles(k_ref, k_ref, g_ref, cuts_ref, strict=True,
-                                dot=dot).tiles()
-  else:
-    k = [k_ref[s, :] for s in sub]
-    g = [g_ref[s].astype(acc) for s in sub]
-    cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
-    tiles = {(i, j): dot(k[i], k[j], trans_b=True) * core.decay(
-        g[i], g[j], core.causal(SUB, strict=True) if i == j else True,
-        cuts[i], cuts[j]) for i in range(n) for j in range(i + 1)}
+  t_ref[...] = invert(tiles, beta, n, k_ref.dtype, dot).astype(t_ref.dtype)
 
-  # T is used in k's dtype: for 16-bit inputs, one TF32 pass (10-bit
-  # mantissas) is more than enough; float32 inputs get exact products.
-  precision = "ieee" if k_ref.dtype == jnp.float32 else "tf32"
-  t_ref[...] = core.assemble(
-      inverse_blocks(lambda i, j: beta[i][:, None] * tiles[i, j], n, dot,
-                     precision), n).astype(t_ref.dtype)
+
+def _channel_inverse_kernel(*, q_ref, k_ref, g_ref, b_ref, cuts_ref, t_ref,
+                            p_ref, scale, dot):
+  """One chunk, per-channel gate: both score matrices, once
+  (:class:`scores.ChannelScores`), then ``T [C, C]`` and the output's
+  ``P = scale Gamma * Q K^T`` ``[C, C]``."""
+  n = k_ref.shape[0] // SUB
+  acc = core.accumulator(k_ref.dtype)
+  channel = scores.ChannelScores(xs=(q_ref, k_ref), strict=(False, True),
+                                 y_ref=k_ref, g_ref=g_ref, cuts_ref=cuts_ref,
+                                 dot=dot)
+  tiles, beta = {}, []
+  for i in range(n):
+    rows = pl.ds(i * SUB, SUB)
+    qk, kk = channel.row_block(i)
+    p_ref[rows, :] = (scale * qk).astype(p_ref.dtype)
+    tiles.update({(i, j): core.cols_of(kk, j) for j in range(i + 1)})
+    beta.append(b_ref[rows].astype(acc))
+  t_ref[...] = invert(tiles, beta, n, k_ref.dtype, dot).astype(t_ref.dtype)
 
 
 def _w_u_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref, u_ref,
@@ -142,12 +164,11 @@ def _gate_spec(g, chunk_size):
 
 
 def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
-  """``T = (I + A)^-1`` of every chunk.
+  """``T = (I + A)^-1`` of every chunk, for a scalar gate.
 
   Args:
     k: ``[B, T, H, K]`` (K a power of two); g: ``[B, HV, T]`` chunk-local
-      cumulative log gate (``[B, HV, T, K]`` per channel); b:
-      ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
+      cumulative log gate; b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
       chunk-local cumulative cut count, or None; heads: HV.
 
   Returns:
@@ -163,6 +184,33 @@ def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
       outputs=dict(t_ref=(jax.ShapeDtypeStruct(
           (bsz, heads, t_len, chunk_size), k.dtype), square)),
       launch=launch, interpret=interpret, name="deltajax_ut_inverse", dot=dot)
+
+
+def channel_inverse(*, q, k, g, b, cuts, heads, scale, chunk_size, launch,
+                    interpret, dot):
+  """For a per-channel gate: ``T = (I + A)^-1`` of every chunk and the
+  output's intra-chunk scores ``P = scale Gamma * Q K^T`` (causal), from the
+  scores formed once per chunk.
+
+  Args:
+    q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b, cuts: as :func:`inverse`.
+
+  Returns:
+    ``(t [B, HV, T, C] in k's dtype, p [B, HV, T, C] in q's dtype)``.
+  """
+  bsz, t_len, h, dk = k.shape
+  qk, _, gate, square, _ = _chunk_specs(chunk_size, heads // h)
+  per_chunk = (bsz, heads, t_len, chunk_size)
+  return core.call(
+      _channel_inverse_kernel, grid=(bsz, heads, t_len // chunk_size),
+      inputs=dict(q_ref=(q, qk(dk)), k_ref=(k, qk(dk)),
+                  g_ref=(g, _gate_spec(g, chunk_size)), b_ref=(b, gate),
+                  cuts_ref=(cuts, gate)),
+      outputs=dict(
+          t_ref=(jax.ShapeDtypeStruct(per_chunk, k.dtype), square),
+          p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), square)),
+      launch=launch, interpret=interpret, name="deltajax_ut_channel_inverse",
+      scale=scale, dot=dot)
 
 
 def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
@@ -242,11 +290,21 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
     dv_ref[:, vs] = (beta[:, None] * d_xv).astype(dv_ref.dtype)
     db += jnp.sum(d_xv * v_ref[:, vs], axis=1)
     d_m -= dot(d_xv.astype(dtype), u_ref[:, vs], trans_b=True)
-  kk = scores.scores(k_ref, k_ref, g_ref, cuts_ref, x=k, y=k, g=g, cuts=cuts,
-                     strict=True, dot=dot)
-  db_ref[...] = db + jnp.sum(d_m * kk.matrix, axis=1)
-  d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k, g)
-  dg += d_g_kk
+  # M = diag(b) A, A the strictly lower decayed K K^T: dA = diag(b) dM.
+  if core.per_channel(g):
+    channel = scores.ChannelScores(xs=(k_ref,), strict=(True,), y_ref=k_ref,
+                                   g_ref=g_ref, cuts_ref=cuts_ref, dot=dot)
+    (u,), d_k2 = channel.vjp([(d_m, beta[:, None] * d_m)])
+    # u is A's row-side VJP of dM: sum_j dM_ij A_ij = k_i . u_i.
+    db += jnp.sum(k_acc * u, axis=1)
+    d_k1 = beta[:, None] * u
+    dg += k_acc * (d_k1 - d_k2)
+  else:
+    kk = scores.scores(x=k, y=k, g=g, cuts=cuts, strict=True, dot=dot)
+    db += jnp.sum(d_m * kk.matrix, axis=1)
+    d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k)
+    dg += d_g_kk
+  db_ref[...] = db
   dk_ref[...] = (dk + d_k1 + d_k2).astype(dk_ref.dtype)
   last_row = core.iota(dg.shape, 0) == c - 1
   dg += jnp.where(last_row, d_g_end, 0)

@@ -1,0 +1,43 @@
+"""One forward+backward of ``deltajax.gated_delta`` for a profiler to see.
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
+        --log-file $OUT/step.csv python benchmarks/ncu_step.py --gate kda
+    python3 ../shared/tools/ncu_kernels.py step.csv
+
+Runs the jitted step twice (compilation and autotuning in the first), on
+benchmark.py's inputs; the last launches in the log are one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import deltajax
+from benchmarks.benchmark import make_inputs
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shape", default="4,4096,16,128")
+  parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+  parser.add_argument("--impl", default="pallas")
+  args = parser.parse_args()
+  shape = tuple(int(x) for x in args.shape.split(","))
+  q, k, v, a, b, do = make_inputs(shape, gate=args.gate)
+  q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
+  a, b = jnp.asarray(a), jnp.asarray(b)
+
+  def loss(q, k, v, a, b):
+    o = deltajax.gated_delta(q, k, v, a, b, impl=args.impl)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  for _ in range(2):
+    jax.block_until_ready(step(q, k, v, a, b))
+
+
+if __name__ == "__main__":
+  main()
