@@ -391,7 +391,7 @@ def test_kernels_lower_for_triton(dtype, features, gate):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args, *extra)
   text = exported.mlir_module()
-  inverse = "ut_channel_inverse" if gate == "channel" else "ut_inverse"
-  for name in (inverse, "state_forward", "output", "ut_w_u",
-               "output_backward", "state_backward", "ut_backward"):
+  intra = ("intra", "intra_backward") if gate == "channel" else ()
+  for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
+               "output_backward", "state_backward", "ut_backward", *intra):
     assert f'name = "deltajax_{name}"' in text, name

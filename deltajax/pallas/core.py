@@ -47,13 +47,14 @@ class KernelConfig:
   float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
   """
   inverse: Launch = Launch(num_warps=1, num_stages=1)
-  channel_inverse: Launch = Launch(num_warps=4, num_stages=1)
+  intra: Launch = Launch(num_warps=4, num_stages=1)
   forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
   output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
   w_u: Launch = Launch(num_warps=4, num_stages=1)
   output_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
   ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  intra_backward: Launch = Launch(num_warps=4, num_stages=1)
   step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
   interpret: bool | None = None
   precision: str = "tf32x3"

@@ -1,12 +1,13 @@
 """``impl="pallas"``: the chunked algorithm as Pallas kernels, with its custom_vjp.
 
-Forward: :func:`ut.inverse` (parallel over chunks; for a per-channel gate
-:func:`ut.channel_inverse`, which also forms the output's scores ``P``) ->
+Forward: (for a per-channel gate, :func:`intra.forward`: the intra-chunk
+scores, parallel over chunks) -> :func:`ut.inverse` (parallel) ->
 :func:`state.forward_scan` (sequential over chunks; applies T, so W and U are
 never formed) -> :func:`output.output` (parallel). Backward:
 :func:`ut.w_u` and :func:`output.output_backward` (parallel) ->
 :func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
-(parallel). The backward keeps the forward's ``T``, ``Delta``, chunk-entry
+(parallel) (-> :func:`intra.backward` per channel). The backward keeps the
+forward's ``T``, ``Delta``, chunk-entry
 states (and ``P``) and recomputes ``W``, ``U``: memory
 ``O(T (K + V) + (T / C) K V)`` per value head.
 
@@ -14,9 +15,8 @@ The gate's width W (1: Gated DeltaNet's scalar gate, K: KDA's per-channel
 gate) is static: the cumulative gate is ``[B, HV, T]`` or ``[B, HV, T, K]``,
 and the kernels branch on it where the math differs (:mod:`core`'s gate
 helpers, :mod:`scores`); for W = 1 they do exactly the scalar gate's work.
-For W = K the intra-chunk scores are formed once, in the forward's first
-kernel; the backward's kernels take their VJP by products of the same
-factors, without forming them again.
+For W = K the intra-chunk scores are formed once, by :mod:`intra`, and the
+other kernels work on them as matrices, as for W = 1.
 The gate cotangent is per channel for W = K (da ``[B, T, HV, K]``).
 
 Every kernel runs over the HV value heads and reads q/k head ``j // G``
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from deltajax import common
 from deltajax.pallas import core
+from deltajax.pallas import intra
 from deltajax.pallas import output
 from deltajax.pallas import state
 from deltajax.pallas import ut
@@ -143,13 +144,16 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   qp, kp, vp = _padded(q, k, v)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
+  heads = v.shape[2]
   if g.ndim == 4:
-    t, p = ut.channel_inverse(q=qp, k=kp, g=g, b=beta, cuts=cuts,
-                              heads=v.shape[2], scale=scale,
-                              launch=config.channel_inverse, **shared)
+    a_kk, p = intra.forward(q=qp, k=kp, g=g, cuts=cuts, heads=heads,
+                            scale=scale, launch=config.intra, **shared)
+    t = ut.inverse(k=kp, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
+                   launch=config.inverse, **shared)
   else:
-    t, p = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, heads=v.shape[2],
-                      launch=config.inverse, **shared), None
+    t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, a=None, heads=heads,
+                   launch=config.inverse, **shared)
+    p = None
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
       initial_state=s0, launch=config.forward_scan, **shared)
@@ -171,7 +175,8 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def _bwd(scale, chunk_size, config, residuals, cotangents):
-  q, k, v, a, b, initial_state, cut, chunk_seq, (t, states, delta, p) = residuals
+  (q, k, v, a, b, initial_state, cut, chunk_seq,
+   (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
@@ -182,17 +187,24 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
                 **shared)
-  dq, dk_out, dg_out, d_delta = output.output_backward(
+  # The output's last cotangent is dk's share, or P's for a per-channel gate.
+  dq, dg_out, d_delta, dk_or_dp = output.output_backward(
       q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, d_o=d_o,
       scale=scale, launch=config.output_backward, **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale,
       launch=config.backward_scan, **shared)
-  dk, dv, db, da = ut.ut_backward(
+  dk, dv, db, da, *d_m = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
-      d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
+      d_next=d_next, delta=delta, d_delta=d_delta,
+      dk_out=dk_or_dp if p is None else None,
       dg_out=dg_out, launch=config.ut_backward, **shared)
+  if p is not None:
+    dq, dk, da, db = intra.backward(
+        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
+        dk=dk, dg=da, db=db, scale=scale, launch=config.intra_backward,
+        **shared)
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
   da = jnp.moveaxis(da, 1, 2)
   da = da[..., None] if a.shape[-1] == 1 else da[..., :n_k]

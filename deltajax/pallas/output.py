@@ -3,9 +3,8 @@
 Grids run over value heads; q/k head ``j // G`` comes through the index maps
 (GVA). With cuts, ``Gamma`` and ``e^g`` are the masked decays of :mod:`core`.
 For a per-channel gate, ``Q e^g`` is per channel, the scores
-``P = scale Gamma * Q K^T`` come formed from :func:`ut.channel_inverse`, and
-their VJP is :class:`scores.ChannelScores`' (it gives the gate's cotangent
-per channel).
+``P = scale Gamma * Q K^T`` come formed (:func:`intra.forward`), and the
+backward leaves their cotangent to :func:`intra.backward`.
 """
 
 from __future__ import annotations
@@ -36,14 +35,15 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
 
 
 def _output_backward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref,
-                            delta_ref, do_ref, p_ref, dq_ref, dk_ref, dg_ref,
-                            dd_ref, scale, block_v, dot):
-  q, k = q_ref[...], k_ref[...]
+                            delta_ref, do_ref, p_ref, dq_ref, dg_ref, dd_ref,
+                            scale, block_v, dot, dk_ref=None, dp_ref=None):
+  q = q_ref[...]
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
   if p_ref is None:
-    qk = scores.scores(x=q, y=k, g=g, cuts=cuts, strict=False, dot=dot)
+    qk = scores.scores(x=q, y=k_ref[...], g=g, cuts=cuts, strict=False,
+                       dot=dot)
     p = (qk.matrix * scale).astype(dtype)
   else:
     p = p_ref[...].astype(dtype)
@@ -54,17 +54,15 @@ def _output_backward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref,
     d_qg += dot(d_o, s_ref[:, vs].astype(dtype), trans_b=True)
     dd_ref[:, vs] = dot(p, d_o, trans_a=True)
   eg = core.on_keys(scale * core.from_start(g, cuts))
-  qg = q.astype(acc) * eg
-  if p_ref is None:
-    dq, dk, dg = qk.vjp(d_p * scale, q, k)
+  dq = d_qg * eg
+  dg = core.key_sum(dq * q.astype(acc), g)
+  if p_ref is not None:  # per channel: P's share is intra.backward's
+    dp_ref[...] = d_p
   else:
-    channel = scores.ChannelScores(xs=(q_ref,), strict=(False,), y_ref=k_ref,
-                                   g_ref=g_ref, cuts_ref=cuts_ref, dot=dot)
-    (dq,), dk = channel.vjp([(d_p * scale,) * 2])
-    dg = q.astype(acc) * dq - k.astype(acc) * dk
-  dq_ref[...] = (dq + d_qg * eg).astype(dq_ref.dtype)
-  dk_ref[...] = dk
-  dg_ref[...] = dg + core.key_sum(d_qg * qg, g)
+    dq_p, dk_ref[...], dg_p = qk.vjp(d_p * scale, q, k_ref[...])
+    dq, dg = dq + dq_p, dg + dg_p
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dg_ref[...] = dg
 
 
 def _specs(chunk_size, groups, dk, dv):
@@ -92,7 +90,7 @@ def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
     channel); cuts: ``[B, HV, T]`` int32 or None;
     states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``; p: None for a
     scalar gate (the kernel forms the scores), else ``[B, HV, T, C]`` from
-    :func:`ut.channel_inverse`.
+    :func:`intra.forward`.
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in ``out_dtype``.
@@ -119,16 +117,23 @@ def output_backward(*, q, k, g, cuts, states, delta, p, d_o, chunk_size,
   :func:`output`).
 
   Returns:
-    ``(dq [B, T, HV, K], dk [B, T, HV, K], dg (g's shape), d_delta
-    [B, T, HV, V])``, per value head: dq complete (in q's dtype without GVA,
-    else float32 for the sum over the group); the output's shares of dk, dg
-    and ``dDelta`` (``(Gamma * scale Q K^T)^T dO``) in float32.
+    ``(dq [B, T, HV, K], dg (g's shape), d_delta [B, T, HV, V], dk [B, T,
+    HV, K])``, per value head: dq complete (in q's dtype without GVA, else
+    float32 for the sum over the group); the output's shares of dg,
+    ``dDelta`` (``P^T dO``) and dk, in float32. For a per-channel gate, dq
+    (float32) and dg without the scores' shares, and ``dp [B, HV, T, C]``
+    (P's cotangent ``dO Delta^T``, float32) in place of dk, for
+    :func:`intra.backward`.
   """
   bsz, t_len, h, dk = q.shape
   heads, dv = delta.shape[2:]
   acc = core.accumulator(q.dtype)
   sp = _specs(chunk_size, heads // h, dk, dv)
   per_head = (bsz, t_len, heads, dk)
+  if p is None:
+    last = dict(dk_ref=(jax.ShapeDtypeStruct(per_head, acc), sp["keys"]))
+  else:
+    last = dict(dp_ref=(jax.ShapeDtypeStruct(p.shape, acc), sp["square"]))
   return core.call(
       _output_backward_kernel, grid=(bsz, heads, t_len // chunk_size),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
@@ -137,9 +142,10 @@ def output_backward(*, q, k, g, cuts, states, delta, p, d_o, chunk_size,
                   do_ref=(d_o, sp["vals"]), p_ref=(p, sp["square"])),
       outputs=dict(
           dq_ref=(jax.ShapeDtypeStruct(
-              per_head, q.dtype if heads == h else acc), sp["keys"]),
-          dk_ref=(jax.ShapeDtypeStruct(per_head, acc), sp["keys"]),
+              per_head, q.dtype if heads == h and p is None else acc),
+              sp["keys"]),
           dg_ref=(jax.ShapeDtypeStruct(g.shape, acc), sp["g"](g)),
-          dd_ref=(jax.ShapeDtypeStruct(delta.shape, acc), sp["vals"])),
+          dd_ref=(jax.ShapeDtypeStruct(delta.shape, acc), sp["vals"]),
+          **last),
       launch=launch, interpret=interpret, name="deltajax_output_backward",
       scale=scale, block_v=launch.block_v, dot=dot)

@@ -6,16 +6,16 @@ chunk (``x = y = k``, strict, for the UT system; ``x = q``, ``y = k``,
 
 * W = 1 (Gated DeltaNet): ``(X Y^T) * Gamma``, one ``[C, C]`` decay
   (:func:`scores`).
-* W = K (KDA): :class:`ChannelScores`, by 16-token row blocks, each one
-  product through a reference gate ``r`` (the seed's secondary chunking,
-  ``(X_I e^{g_I - r}) (Y e^{r - g})^T``). Where the gate falls by at most
-  :data:`SPAN` over block I (every channel), ``r`` is the gate in the middle
-  of block I and one product gives the whole row block, diagonal tile
-  included: every factor is at most ``e^SPAN``, and on and below the
-  diagonal the product is the decay itself (<= 1). Elsewhere (a strong
-  gate) ``r`` is the gate before block I, so the tiles left of the diagonal
-  take only exponents <= 0, and the diagonal tile is formed column by column,
-  masked to ``i >= j`` before ``exp``. Cuts are masked on the product.
+* W = K (KDA): :class:`ChannelTiles`, ``[16, 16]`` tiles, each one product
+  through a reference gate ``r`` shared by its row block I (the seed's
+  secondary chunking, ``(X_I e^{g_I - r}) (Y_J e^{r - g_J})^T``). Where the
+  gate falls by at most :data:`SPAN` over block I (every channel), ``r`` is
+  the gate in the middle of block I, for the diagonal tile too: every factor
+  is at most ``e^SPAN``, and on and below the diagonal the product is the
+  decay itself (<= 1). Elsewhere (a strong gate) ``r`` is the gate before
+  block I, so the tiles left of the diagonal take only exponents <= 0, and
+  the diagonal tile is formed column by column, masked to ``i >= j`` before
+  ``exp``. Cuts are masked on the products.
 """
 
 from __future__ import annotations
@@ -36,16 +36,12 @@ from deltajax.pallas.core import SUB
 SPAN = 40.0
 
 
-def _place_cols(tile, j: int, n: int):
-  """``[16, 16 n]``: the ``[16, 16]`` tile at columns ``16 j ..``, 0 elsewhere."""
-  wide = jnp.broadcast_to(tile[:, None, :], (SUB, n, SUB))
-  return jnp.where(core.iota(wide.shape, 1) == j, wide, 0).reshape(SUB, n * SUB)
-
-
 @dataclasses.dataclass(frozen=True)
-class ChannelScores:
-  """The scores of a per-channel gate in one chunk, for left operands
-  ``xs`` (q and/or k) against ``y``, by 16-token row blocks, and their VJP.
+class ChannelTiles:
+  """The ``[16, 16]`` tiles of the scores of a per-channel gate in one chunk,
+  for row operands ``xs`` (q and/or k) against ``y``, and their VJP, row
+  block by row block. Operands are read from refs by 16-token blocks
+  (``pl.ds``): no value is sliced or reshaped.
 
   Refs: xs and y ``[C, K]``, g ``[C, K]`` (the chunk-local cumulative gate),
   cuts ``[C]`` int32 or None; ``strict[m]``: whether x m's scores are
@@ -59,20 +55,19 @@ class ChannelScores:
   dot: core.Dot
 
   @property
-  def c(self) -> int:
-    return self.g_ref.shape[0]
-
-  @property
   def n(self) -> int:
     """16-token blocks in the chunk."""
-    return self.c // SUB
+    return self.g_ref.shape[0] // SUB
 
-  def _load(self, ref, rows):
-    return ref[rows, :].astype(core.accumulator(self.y_ref.dtype))
+  def _load(self, ref, i: int):
+    """Block i of ``ref`` ``[16, K]`` in the accumulator dtype."""
+    return ref[pl.ds(i * SUB, SUB), :].astype(
+        core.accumulator(self.y_ref.dtype))
 
   def _gate_at(self, t):
     """The gate ``[1, K]`` at token t."""
-    return self._load(self.g_ref, pl.ds(t, 1))
+    return self.g_ref[pl.ds(t, 1), :].astype(
+        core.accumulator(self.y_ref.dtype))
 
   def _mm(self, a, b, **kw):
     """Products of the float32 factors: one TF32 pass for 16-bit inputs
@@ -80,61 +75,63 @@ class ChannelScores:
     low = jnp.dtype(self.y_ref.dtype).itemsize < 4
     return self.dot(a, b, precision="tf32" if low else None, **kw)
 
-  def _mask(self, i: int, strict: bool):
-    """``[16, C]``: the pairs of row block i that carry a score."""
-    rows = core.iota((SUB, self.c), 0) + i * SUB
-    cols = core.iota((SUB, self.c), 1)
-    mask = rows > cols if strict else rows >= cols
+  def mask(self, i: int, j: int, strict: bool):
+    """``[16, 16]`` (or True): the pairs of tile (i, j) that carry a score."""
+    mask = True
+    if i == j:
+      mask = core.causal(SUB, strict=strict)
     if self.cuts_ref is not None:
       mask = mask & (self.cuts_ref[pl.ds(i * SUB, SUB)][:, None]
-                     == self.cuts_ref[...][None, :])
+                     == self.cuts_ref[pl.ds(j * SUB, SUB)][None, :])
     return mask
-
-  def _factored(self, i: int, ref_token: int, end: int):
-    """``(X_I e^{g_I - r} per x [16, K], e^{g_I - r} [16, K], e^{r - g}
-    [C, K] (0 on rows >= end), Y e^{r - g} [C, K])`` with ``r`` the gate at
-    ``ref_token``."""
-    r = self._gate_at(ref_token)
-    rows = pl.ds(i * SUB, SUB)
-    left = jnp.exp(self._load(self.g_ref, rows) - r)
-    right = core.masked_exp(r - self._load(self.g_ref, pl.ds(0, self.c)),
-                            core.iota((self.c, 1), 0) < end)
-    y = self._load(self.y_ref, pl.ds(0, self.c)) * right
-    return [self._load(x, rows) * left for x in self.xs], left, right, y
 
   def _is_gentle(self, i: int):
     """Whether the gate falls by at most SPAN over block i, every channel."""
     fall = self._gate_at(i * SUB) - self._gate_at(i * SUB + SUB - 1)
     return jnp.max(fall) <= SPAN
 
+  def _through(self, i: int, ref_token: int, blocks: int):
+    """Row block i's factors through the gate r at ref_token: ``(X_I
+    e^{g_I - r} per x, e^{g_I - r}, [(e^{r - g_J}, Y_J e^{r - g_J}) for J <
+    blocks])``, each ``[16, K]``."""
+    r = self._gate_at(ref_token)
+    left = jnp.exp(self._load(self.g_ref, i) - r)
+    right = []
+    for j in range(blocks):
+      decay = jnp.exp(r - self._load(self.g_ref, j))
+      right.append((decay, self._load(self.y_ref, j) * decay))
+    return [self._load(x, i) * left for x in self.xs], left, right
+
   def _middle(self, i: int):
-    """``(reference token, column end)`` of row block i's one product."""
-    return i * SUB + SUB // 2, (i + 1) * SUB
+    """``(reference token, blocks)``: one product per tile of row block i,
+    the diagonal tile included, through the middle of block i."""
+    return i * SUB + SUB // 2, i + 1
 
   def _before(self, i: int):
-    """``(reference token, column end)`` of the tiles left of the diagonal."""
-    return i * SUB - 1, i * SUB
-
-  # Forward.
-
-  def _rows_through(self, i: int, ref_token: int, end: int):
-    xs, _, _, y = self._factored(i, ref_token, end)
-    return [self._mm(x, y, trans_b=True) for x in xs]
+    """``(reference token, blocks)``: the tiles left of the diagonal through
+    the gate before block i."""
+    return i * SUB - 1, i
 
   def _columns(self, i: int, step, init):
-    """``lax.fori_loop`` of ``step(j, x tiles [16, K], y_t [1, K], e [16,
+    """``lax.fori_loop`` of ``step(j, x blocks [16, K], y_t [1, K], e [16,
     K], carry)`` over the columns of diagonal tile i, with ``e = exp(g_I -
     g_t)`` on the rows ``>= j`` (``t = 16 i + j``), masked before exp."""
-    rows = pl.ds(i * SUB, SUB)
-    g = self._load(self.g_ref, rows)
-    xs = [self._load(x, rows) for x in self.xs]
+    g = self._load(self.g_ref, i)
+    xs = [self._load(x, i) for x in self.xs]
     below = core.iota((SUB, 1), 0)
 
     def column(j, carry):
       t = i * SUB + j
       e = core.masked_exp(g - self._gate_at(t), below >= j)
-      return step(j, xs, self._load(self.y_ref, pl.ds(t, 1)), e, carry)
+      y_t = self.y_ref[pl.ds(t, 1), :].astype(g.dtype)
+      return step(j, xs, y_t, e, carry)
     return lax.fori_loop(0, SUB, column, init)
+
+  # Forward.
+
+  def _row_through(self, i: int, ref_token: int, blocks: int):
+    xs, _, right = self._through(i, ref_token, blocks)
+    return [[self._mm(x, y, trans_b=True) for _, y in right] for x in xs]
 
   def _diagonal(self, i: int):
     """Diagonal tile i per x, ``[16, 16]``, exactly, column by column."""
@@ -146,37 +143,43 @@ class ChannelScores:
     zeros = jnp.zeros((SUB, SUB), core.accumulator(self.y_ref.dtype))
     return self._columns(i, step, tuple(zeros for _ in self.xs))
 
-  def _rows_exact(self, i: int):
-    diagonal = [_place_cols(d, i, self.n) for d in self._diagonal(i)]
+  def _row_exact(self, i: int):
+    diagonal = self._diagonal(i)
     if i == 0:
-      return diagonal
-    return [a + d for a, d in zip(self._rows_through(i, *self._before(i)),
-                                  diagonal)]
+      return [[d] for d in diagonal]
+    return [row + [d] for row, d in zip(self._row_through(i, *self._before(i)),
+                                        diagonal)]
 
-  def row_block(self, i: int):
-    """Rows ``16 i ..`` of each x's scores, ``[16, C]`` float32, masked."""
+  def row(self, i: int):
+    """Per x, the tiles ``(i, j)``, ``j <= i``, of row block i: ``[16, 16]``
+    float32, masked."""
     raw = lax.cond(self._is_gentle(i),
-                   lambda: self._rows_through(i, *self._middle(i)),
-                   lambda: self._rows_exact(i))
-    return [jnp.where(self._mask(i, s), r, 0)
-            for r, s in zip(raw, self.strict)]
+                   lambda: self._row_through(i, *self._middle(i)),
+                   lambda: self._row_exact(i))
+    return [[jnp.where(self.mask(i, j, s), tile, 0)
+             for j, tile in enumerate(row)]
+            for row, s in zip(raw, self.strict)]
 
   # VJP.
 
-  def _vjp_through(self, i: int, ref_token: int, end: int, ds):
-    """``(dx per x [16, K], dy [C, K])`` of row block i's product through
-    the gate at ref_token; ``ds``: per x, the row block's cotangent seen
-    by x and by y, ``[16, C]`` (0 where the product is not used)."""
-    xs, left, right, y = self._factored(i, ref_token, end)
-    dxs, dy = [], 0
-    for x, (d_x, d_y) in zip(xs, ds):
-      dxs.append(self._mm(d_x, y) * left)
-      dy += self._mm(d_y, x, trans_a=True)
-    return dxs, dy * right
+  def _vjp_through(self, i: int, ref_token: int, blocks: int, ds):
+    """``(dx per x [16, K], [dy_J [16, K] for J < blocks])`` of row block
+    i's products through the gate at ref_token; ``ds``: per x, per tile
+    ``(i, J)``, its cotangent as seen by x and by y."""
+    xs, left, right = self._through(i, ref_token, blocks)
+    dxs = []
+    dys = [0] * blocks
+    for x, d_row in zip(xs, ds):
+      dx = 0
+      for j, ((decay, y), (d_x, d_y)) in enumerate(zip(right, d_row)):
+        dx += self._mm(d_x, y)
+        dys[j] += self._mm(d_y, x, trans_a=True)
+      dxs.append(dx * left)
+    return dxs, [dy * decay for dy, (decay, _) in zip(dys, right)]
 
   def _diagonal_vjp(self, i: int, ds):
     """``(dx per x, dy)`` ``[16, K]`` of diagonal tile i from ``ds``: per x,
-    the tile's cotangents ``[16, 16]`` seen by x and by y."""
+    the tile's cotangents seen by x and by y."""
     cols, below = core.iota((SUB, SUB), 1), core.iota((SUB, 1), 0)
 
     def step(j, xs, y_t, e, grads):
@@ -192,31 +195,24 @@ class ChannelScores:
     return self._columns(i, step, (tuple(zeros for _ in self.xs), zeros))
 
   def _vjp_exact(self, i: int, ds):
-    tiles = [(core.cols_of(d_x, i), core.cols_of(d_y, i)) for d_x, d_y in ds]
-    dxs, dy_diagonal = self._diagonal_vjp(i, tiles)
-    dy = core.place_rows({i: dy_diagonal}, self.n)
+    dxs, dy_diagonal = self._diagonal_vjp(i, [d_row[i] for d_row in ds])
     if i == 0:
-      return list(dxs), dy
-    off_x, off_y = self._vjp_through(i, *self._before(i), ds)
-    return [a + b for a, b in zip(dxs, off_x)], dy + off_y
+      return list(dxs), [dy_diagonal]
+    off_x, off_y = self._vjp_through(i, *self._before(i),
+                                     [d_row[:i] for d_row in ds])
+    return [a + b for a, b in zip(dxs, off_x)], off_y + [dy_diagonal]
 
-  def vjp(self, ds):
-    """``(dx per x [C, K], dy [C, K])`` float32 from ``ds``: per x, the
-    cotangent ``[C, C]`` of its scores as seen by x's rows and by y's rows
+  def row_vjp(self, i: int, ds):
+    """``(dx per x [16, K], [dy_J [16, K] for J <= i])``: row block i's
+    share of the VJP, from ``ds``: per x, per tile ``(i, J)``, ``J <= i``,
+    the tile's cotangent as seen by x's rows and by y's rows ``[16, 16]``
     (the two differ when the scores are row-weighted, ``diag(b) A``)."""
-    dxs, dy = [{} for _ in self.xs], 0
-    for i in range(self.n):
-      masks = [self._mask(i, s) for s in self.strict]
-      rows = [tuple(jnp.where(m, core.rows_of(d, i), 0) for d in pair)
-              for m, pair in zip(masks, ds)]
-      dx_i, dy_i = lax.cond(
-          self._is_gentle(i),
-          lambda: self._vjp_through(i, *self._middle(i), rows),
-          lambda: self._vjp_exact(i, rows))
-      for m, dx in enumerate(dx_i):
-        dxs[m][i] = dx
-      dy += dy_i
-    return [core.place_rows(dx, self.n) for dx in dxs], dy
+    ds = [[tuple(jnp.where(self.mask(i, j, s), d, 0) for d in pair)
+           for j, pair in enumerate(d_row)]
+          for d_row, s in zip(ds, self.strict)]
+    return lax.cond(self._is_gentle(i),
+                    lambda: self._vjp_through(i, *self._middle(i), ds),
+                    lambda: self._vjp_exact(i, ds))
 
 
 @dataclasses.dataclass(frozen=True)

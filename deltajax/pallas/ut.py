@@ -13,9 +13,9 @@ and ``U = T diag(b) V`` for the backward; the forward scan applies T itself.
 Every kernel here is parallel over (batch, value head, chunk). Value head j
 reads q/k head ``j // G`` through its index map (GVA). With cuts, ``Gamma``
 and ``e^g`` are the masked decays of :mod:`core` (0 across a cut). For a
-per-channel gate, :func:`channel_inverse` forms ``Gamma * K K^T`` and the
-output's scores once (:class:`scores.ChannelScores`), and ``K e^g`` is per
-channel.
+per-channel gate, :func:`inverse` takes ``Gamma * K K^T`` formed by
+:func:`intra.forward`, ``K e^g`` is per channel, and :func:`ut_backward`
+leaves the cotangent of ``diag(b) Gamma * K K^T`` to :func:`intra.backward`.
 """
 
 from __future__ import annotations
@@ -95,38 +95,24 @@ def invert(tiles, beta, n: int, dtype, dot: core.Dot):
                      precision), n)
 
 
-def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, t_ref, dot):
-  """One chunk, scalar gate: ``k [C, K]``, ``g, b, cuts [C]`` -> ``T [C, C]``."""
+def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, a_ref, t_ref, dot):
+  """One chunk: ``b [C]`` and either ``A [C, C]`` (a per-channel gate's,
+  from :func:`intra.forward`) or ``k [C, K]``, ``g, cuts [C]`` -> ``T [C,
+  C]``."""
   n = k_ref.shape[0] // SUB
   sub = [pl.ds(i * SUB, SUB) for i in range(n)]
   acc = core.accumulator(k_ref.dtype)
-  k = [k_ref[s, :] for s in sub]
-  g = [g_ref[s].astype(acc) for s in sub]
-  cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
-  tiles = {(i, j): dot(k[i], k[j], trans_b=True) * core.decay(
-      g[i], g[j], core.causal(SUB, strict=True) if i == j else True,
-      cuts[i], cuts[j]) for i in range(n) for j in range(i + 1)}
+  if a_ref is not None:
+    tiles = {(i, j): a_ref[sub[i], sub[j]].astype(acc)
+             for i in range(n) for j in range(i + 1)}
+  else:
+    k = [k_ref[s, :] for s in sub]
+    g = [g_ref[s].astype(acc) for s in sub]
+    cuts = [None if cuts_ref is None else cuts_ref[s] for s in sub]
+    tiles = {(i, j): dot(k[i], k[j], trans_b=True) * core.decay(
+        g[i], g[j], core.causal(SUB, strict=True) if i == j else True,
+        cuts[i], cuts[j]) for i in range(n) for j in range(i + 1)}
   beta = [b_ref[s].astype(acc) for s in sub]
-  t_ref[...] = invert(tiles, beta, n, k_ref.dtype, dot).astype(t_ref.dtype)
-
-
-def _channel_inverse_kernel(*, q_ref, k_ref, g_ref, b_ref, cuts_ref, t_ref,
-                            p_ref, scale, dot):
-  """One chunk, per-channel gate: both score matrices, once
-  (:class:`scores.ChannelScores`), then ``T [C, C]`` and the output's
-  ``P = scale Gamma * Q K^T`` ``[C, C]``."""
-  n = k_ref.shape[0] // SUB
-  acc = core.accumulator(k_ref.dtype)
-  channel = scores.ChannelScores(xs=(q_ref, k_ref), strict=(False, True),
-                                 y_ref=k_ref, g_ref=g_ref, cuts_ref=cuts_ref,
-                                 dot=dot)
-  tiles, beta = {}, []
-  for i in range(n):
-    rows = pl.ds(i * SUB, SUB)
-    qk, kk = channel.row_block(i)
-    p_ref[rows, :] = (scale * qk).astype(p_ref.dtype)
-    tiles.update({(i, j): core.cols_of(kk, j) for j in range(i + 1)})
-    beta.append(b_ref[rows].astype(acc))
   t_ref[...] = invert(tiles, beta, n, k_ref.dtype, dot).astype(t_ref.dtype)
 
 
@@ -163,13 +149,15 @@ def _gate_spec(g, chunk_size):
   return core.gate_spec(g, chunk_size, lambda i, j, n: (i, j, n))
 
 
-def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
-  """``T = (I + A)^-1`` of every chunk, for a scalar gate.
+def inverse(*, k, g, b, cuts, a, heads, chunk_size, launch, interpret, dot):
+  """``T = (I + diag(b) A)^-1`` of every chunk.
 
   Args:
     k: ``[B, T, H, K]`` (K a power of two); g: ``[B, HV, T]`` chunk-local
       cumulative log gate; b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32
-      chunk-local cumulative cut count, or None; heads: HV.
+      chunk-local cumulative cut count, or None; heads: HV; a: None (A is
+      formed here from k, g and cuts), or ``[B, HV, T, C]`` (a per-channel
+      gate's, from :func:`intra.forward`; g and cuts are then None).
 
   Returns:
     ``t [B, HV, T, C]`` in k's dtype: each chunk's ``[C, C]`` inverse at its
@@ -179,38 +167,12 @@ def inverse(*, k, g, b, cuts, heads, chunk_size, launch, interpret, dot):
   qk, _, gate, square, _ = _chunk_specs(chunk_size, heads // h)
   return core.call(
       _inverse_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(k_ref=(k, qk(dk)), g_ref=(g, _gate_spec(g, chunk_size)),
-                  b_ref=(b, gate), cuts_ref=(cuts, gate)),
+      inputs=dict(k_ref=(k, qk(dk)),
+                  g_ref=(g, None if g is None else _gate_spec(g, chunk_size)),
+                  b_ref=(b, gate), cuts_ref=(cuts, gate), a_ref=(a, square)),
       outputs=dict(t_ref=(jax.ShapeDtypeStruct(
           (bsz, heads, t_len, chunk_size), k.dtype), square)),
       launch=launch, interpret=interpret, name="deltajax_ut_inverse", dot=dot)
-
-
-def channel_inverse(*, q, k, g, b, cuts, heads, scale, chunk_size, launch,
-                    interpret, dot):
-  """For a per-channel gate: ``T = (I + A)^-1`` of every chunk and the
-  output's intra-chunk scores ``P = scale Gamma * Q K^T`` (causal), from the
-  scores formed once per chunk.
-
-  Args:
-    q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b, cuts: as :func:`inverse`.
-
-  Returns:
-    ``(t [B, HV, T, C] in k's dtype, p [B, HV, T, C] in q's dtype)``.
-  """
-  bsz, t_len, h, dk = k.shape
-  qk, _, gate, square, _ = _chunk_specs(chunk_size, heads // h)
-  per_chunk = (bsz, heads, t_len, chunk_size)
-  return core.call(
-      _channel_inverse_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(q_ref=(q, qk(dk)), k_ref=(k, qk(dk)),
-                  g_ref=(g, _gate_spec(g, chunk_size)), b_ref=(b, gate),
-                  cuts_ref=(cuts, gate)),
-      outputs=dict(
-          t_ref=(jax.ShapeDtypeStruct(per_chunk, k.dtype), square),
-          p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), square)),
-      launch=launch, interpret=interpret, name="deltajax_ut_channel_inverse",
-      scale=scale, dot=dot)
 
 
 def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
@@ -245,7 +207,7 @@ def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
 def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
                         u_ref, s_ref, dnext_ref, delta_ref, dd_ref,
                         dk_out_ref, dg_out_ref, dk_ref, dv_ref, db_ref,
-                        da_ref, block_v, dot):
+                        da_ref, block_v, dot, dm_ref=None):
   """One chunk of the backward through ``Delta = U - W S``, the chunk-end
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
   adding the output's shares ``dk_out``, ``dg_out``. The gate cotangent is
@@ -272,7 +234,9 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
   to_end = core.on_keys(core.to_end(g, g_end, cuts, cuts_end))
   k_acc = k.astype(acc)
   k_end = k_acc * to_end
-  dk = dk_out_ref[...] + d_k_end * to_end
+  dk = d_k_end * to_end
+  if dk_out_ref is not None:
+    dk += dk_out_ref[...]
   dg = dg_out_ref[...] - core.key_sum(k_end * d_k_end, g)
   d_g_end = (core.gate_total(k_end * d_k_end, g, keys_axis=1)
              + core.over_chunk(g_end, cuts_end) * d_s_sum)
@@ -290,26 +254,20 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
     dv_ref[:, vs] = (beta[:, None] * d_xv).astype(dv_ref.dtype)
     db += jnp.sum(d_xv * v_ref[:, vs], axis=1)
     d_m -= dot(d_xv.astype(dtype), u_ref[:, vs], trans_b=True)
+  dg += jnp.where(core.iota(dg.shape, 0) == c - 1, d_g_end, 0)
+  if dm_ref is not None:  # per channel: the scores' share is intra.backward's
+    dm_ref[...] = d_m
+    db_ref[...] = db
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    da_ref[...] = dg
+    return
   # M = diag(b) A, A the strictly lower decayed K K^T: dA = diag(b) dM.
-  if core.per_channel(g):
-    channel = scores.ChannelScores(xs=(k_ref,), strict=(True,), y_ref=k_ref,
-                                   g_ref=g_ref, cuts_ref=cuts_ref, dot=dot)
-    (u,), d_k2 = channel.vjp([(d_m, beta[:, None] * d_m)])
-    # u is A's row-side VJP of dM: sum_j dM_ij A_ij = k_i . u_i.
-    db += jnp.sum(k_acc * u, axis=1)
-    d_k1 = beta[:, None] * u
-    dg += k_acc * (d_k1 - d_k2)
-  else:
-    kk = scores.scores(x=k, y=k, g=g, cuts=cuts, strict=True, dot=dot)
-    db += jnp.sum(d_m * kk.matrix, axis=1)
-    d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k)
-    dg += d_g_kk
-  db_ref[...] = db
+  kk = scores.scores(x=k, y=k, g=g, cuts=cuts, strict=True, dot=dot)
+  db_ref[...] = db + jnp.sum(d_m * kk.matrix, axis=1)
+  d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k)
   dk_ref[...] = (dk + d_k1 + d_k2).astype(dk_ref.dtype)
-  last_row = core.iota(dg.shape, 0) == c - 1
-  dg += jnp.where(last_row, d_g_end, 0)
   # g is the cumulative sum of a within the chunk: da is the reverse cumsum.
-  da_ref[...] = core.reverse_cumsum(dg, dot)
+  da_ref[...] = core.reverse_cumsum(dg + d_g_kk, dot)
 
 
 def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
@@ -321,14 +279,17 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
     ``[B, T, HV, V]``; g: ``[B, HV, T]`` or ``[B, HV, T, K]``; b, cuts:
     ``[B, HV, T]``; t: ``[B, HV, T, C]`` from :func:`inverse`; states,
     d_next: ``[B, HV, N, K, V]``; d_delta: ``[B, T, HV, V]``; dk_out
-    ``[B, T, HV, K]`` and dg_out (g's shape): the output's shares of dk and
-    dg.
+    ``[B, T, HV, K]`` (None for a per-channel gate) and dg_out (g's shape):
+    the output's shares of dk and dg.
 
   Returns:
     ``(dk, dv, db, da)``: ``[B, T, HV, K]`` per value head (in k's dtype
     without GVA, else float32 for the sum over the group),
     ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` and g's shape, float32
-    (da of the cumulative gate's increments; 0 is not forced at cuts).
+    (da of the cumulative gate's increments; 0 is not forced at cuts). For
+    a per-channel gate, ``(dk, dv, db, dg, dm)``: dk, db and the cumulative
+    gate's dg (float32) without the scores' shares, and ``dm [B, HV, T, C]``,
+    the cotangent of ``diag(b) Gamma * K K^T``, for :func:`intra.backward`.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
@@ -336,6 +297,9 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
   qk, tok, gate, square, state = _chunk_specs(chunk_size, heads // h)
   vals, states_spec = tok(dv), state(dk, dv)
   gates = _gate_spec(g, chunk_size)
+  channel = {}
+  if g.ndim == 4:
+    channel = dict(dm_ref=(jax.ShapeDtypeStruct(t.shape, acc), square))
   return core.call(
       _ut_backward_kernel, grid=(bsz, heads, t_len // chunk_size),
       inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, vals), g_ref=(g, gates),
@@ -346,11 +310,11 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
                   dd_ref=(d_delta, vals), dk_out_ref=(dk_out, tok(dk)),
                   dg_out_ref=(dg_out, gates)),
       outputs=dict(
-          dk_ref=(jax.ShapeDtypeStruct((bsz, t_len, heads, dk),
-                                       k.dtype if heads == h else acc),
-                  tok(dk)),
+          dk_ref=(jax.ShapeDtypeStruct(
+              (bsz, t_len, heads, dk),
+              k.dtype if heads == h and not channel else acc), tok(dk)),
           dv_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), vals),
           db_ref=(jax.ShapeDtypeStruct(b.shape, acc), gate),
-          da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gates)),
+          da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gates), **channel),
       launch=launch, interpret=interpret, name="deltajax_ut_backward",
       block_v=launch.block_v, dot=dot)
