@@ -60,8 +60,8 @@ def _ut_transform(k, v, gate, b):
   ``Gamma * K K^T`` and ``T``, ``[..., C, C]``."""
   kk = common.decayed_scores(k, k, gate, strict=True)
   t = common.invert_unit_lower(b[..., :, None] * kk)
-  w = t @ (b[..., None] * k * gate.from_start())
-  return w, t @ (b[..., None] * v), kk, t
+  w = common.mm(t, b[..., None] * k * gate.from_start())
+  return w, common.mm(t, b[..., None] * v), kk, t
 
 
 def _state_scan(w, u, k_end, decay, initial_state, chunk_seq):
@@ -69,9 +69,9 @@ def _state_scan(w, u, k_end, decay, initial_state, chunk_seq):
 
   def step(state, x):
     w, u, k_end, decay = x
-    delta = u - w @ state
+    delta = u - common.mm(w, state)
     new_state = (decay[..., :, None] * state
-                 + jnp.einsum("...ck,...cv->...kv", k_end, delta))
+                 + common.einsum("...ck,...cv->...kv", k_end, delta))
     return new_state, delta
 
   final_state, (states, delta) = common.scan_chunks(
@@ -89,9 +89,9 @@ def _state_scan_vjp(w, k_end, decay, d_states, d_delta, d_final, chunk_seq):
 
   def step(d_next, x):
     w, k_end, decay, d_state, d_delta = x
-    d_delta = d_delta + k_end @ d_next
+    d_delta = d_delta + common.mm(k_end, d_next)
     d_state = (d_state + decay[..., :, None] * d_next
-               - jnp.einsum("...ck,...cv->...kv", w, d_delta))
+               - common.einsum("...ck,...cv->...kv", w, d_delta))
     return d_state, (d_next, d_delta)
 
   return common.scan_chunks_reverse(
@@ -123,8 +123,9 @@ def _chunked_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
   w, u, _, _ = _ut_transform(c.k, c.v, c.gate, c.b)
   final_state, states, delta = _state_scan(
       w, u, c.k * c.gate.to_end(), c.gate.total(), initial_state, chunk_seq)
-  o = ((c.q * c.gate.from_start()) @ states
-       + common.decayed_scores(c.q, c.k, c.gate, strict=False) @ delta)
+  o = (common.mm(c.q * c.gate.from_start(), states)
+       + common.mm(common.decayed_scores(c.q, c.k, c.gate, strict=False),
+                   delta))
   outputs = (common.from_chunks(o).astype(v.dtype), final_state)
   return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, states)
 
@@ -136,8 +137,9 @@ def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, kk, t):
   # [W | U] = T diag(b) [K e^g | V] with T = (I + M)^-1: d[K e^g | V] =
   # diag(b) T^T d[W | U] and dM = -T^T d[W | U] [W | U]^T.
   t_t = jnp.swapaxes(t, -1, -2)
-  d_kg, d_v = t_t @ d_w, t_t @ d_u
-  d_m = -(d_kg @ jnp.swapaxes(w, -1, -2) + d_v @ jnp.swapaxes(u, -1, -2))
+  d_kg, d_v = common.mm(t_t, d_w), common.mm(t_t, d_u)
+  d_m = -(common.mm(d_kg, jnp.swapaxes(w, -1, -2))
+          + common.mm(d_v, jnp.swapaxes(u, -1, -2)))
   db = (jnp.sum(d_kg * k_g, axis=-1) + jnp.sum(d_v * c.v, axis=-1)
         + jnp.sum(d_m * kk, axis=-1))
   d_kg, d_v = c.b[..., None] * d_kg, c.b[..., None] * d_v
@@ -157,29 +159,31 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
   w, u, kk, t = _ut_transform(c.k, c.v, c.gate, c.b)
   to_end, decay = c.gate.to_end(), c.gate.total()
   k_end = c.k * to_end
-  delta = u - w @ states
+  delta = u - common.mm(w, states)
   e_g = c.gate.from_start()
   aqk = common.decayed_scores(c.q, c.k, c.gate, strict=False)
 
   # Output: O = (Q e^g) S + Aqk Delta.
-  d_qg = d_o @ jnp.swapaxes(states, -1, -2)
-  d_states = jnp.einsum("...ck,...cv->...kv", c.q * e_g, d_o)
-  d_delta = jnp.swapaxes(aqk, -1, -2) @ d_o
+  d_qg = common.mm(d_o, jnp.swapaxes(states, -1, -2))
+  d_states = common.einsum("...ck,...cv->...kv", c.q * e_g, d_o)
+  d_delta = common.mm(jnp.swapaxes(aqk, -1, -2), d_o)
   dq, dk, dg_q, dg_k = common.decayed_scores_vjp(
-      d_o @ jnp.swapaxes(delta, -1, -2), c.q, c.k, c.gate, strict=False)
+      common.mm(d_o, jnp.swapaxes(delta, -1, -2)), c.q, c.k, c.gate,
+      strict=False)
   dq = dq + d_qg * e_g
   dg = dg_q + dg_k + d_qg * c.q * e_g
 
   # State scan, then its inputs: Delta = U - W S and the chunk-end decays.
   d_initial, (d_next, d_delta) = _state_scan_vjp(
       w, k_end, decay, d_states, d_delta, d_final.astype(dtype), chunk_seq)
-  d_k_end = jnp.einsum("...cv,...kv->...ck", delta, d_next)
+  d_k_end = common.einsum("...cv,...kv->...ck", delta, d_next)
   dk = dk + d_k_end * to_end
   dg = dg - k_end * d_k_end
   dg_end = (jnp.sum(k_end * d_k_end, axis=-2)
             + decay * jnp.sum(d_next * states, axis=-1))
   dk_ut, dv, dg_ut, db = _ut_transform_vjp(
-      -d_delta @ jnp.swapaxes(states, -1, -2), d_delta, c, w, u, kk, t)
+      -common.mm(d_delta, jnp.swapaxes(states, -1, -2)), d_delta, c, w, u,
+      kk, t)
   dk = dk + dk_ut
   dg = (dg + dg_ut).at[..., -1, :].add(dg_end)
   # g is a cumulative sum of a within the chunk.

@@ -45,6 +45,24 @@ def compute_dtype(*arrays) -> jnp.dtype:
   return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
 
 
+# Every matrix product of the jnp implementations goes through :func:`mm` or
+# :func:`einsum`. XLA's default precision takes TF32 (10-bit mantissas) for
+# float32 products on NVIDIA GPUs of compute capability >= 8.0, errors near
+# 1e-3; HIGHEST keeps them float32 there, and changes nothing for float64 or
+# on the CPU. 16-bit inputs are computed in float32 (:func:`compute_dtype`).
+PRECISION = lax.Precision.HIGHEST
+
+
+def mm(x: jax.Array, y: jax.Array) -> jax.Array:
+  """``x @ y`` (``[..., M, K] x [..., K, N]``) at :data:`PRECISION`."""
+  return jnp.matmul(x, y, precision=PRECISION)
+
+
+def einsum(subscripts: str, *operands) -> jax.Array:
+  """``jnp.einsum`` at :data:`PRECISION`."""
+  return jnp.einsum(subscripts, *operands, precision=PRECISION)
+
+
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
   """Zero-pads ``x`` along ``axis`` up to ``size`` (no-op when already there)."""
   extra = size - x.shape[axis]
@@ -212,8 +230,8 @@ def _channel_scores(x, y, blocks: _ChannelBlocks, strict: bool):
   rows = [jnp.zeros((*x.shape[:-2], sub, c), x.dtype)]
   for i in blocks.rows():
     left, right = blocks.row_factors(i)
-    block = jnp.einsum("...ik,...jk->...ij", x[..., i * sub:(i + 1) * sub, :]
-                       * left, y[..., :i * sub, :] * right)
+    block = einsum("...ik,...jk->...ij", x[..., i * sub:(i + 1) * sub, :]
+                   * left, y[..., :i * sub, :] * right)
     rows.append(pad_axis(block, -1, c))
   scores = jnp.concatenate(rows, axis=-2)
 
@@ -235,10 +253,10 @@ def _channel_scores_vjp(d_scores, x, y, blocks: _ChannelBlocks, strict: bool):
     left, right = blocks.row_factors(i)
     rows = slice(i * sub, (i + 1) * sub)
     d_block = d_scores[..., rows, :i * sub]
-    dx = dx.at[..., rows, :].set((d_block @ (y[..., :i * sub, :] * right))
+    dx = dx.at[..., rows, :].set(mm(d_block, y[..., :i * sub, :] * right)
                                  * left)
     dy = dy.at[..., :i * sub, :].add(
-        (jnp.swapaxes(d_block, -1, -2) @ (x[..., rows, :] * left)) * right)
+        mm(jnp.swapaxes(d_block, -1, -2), x[..., rows, :] * left) * right)
   i, j, d = blocks.band_index(strict)
   d_diagonals = jnp.zeros((*x.shape[:-1], sub), x.dtype).at[..., i, d].set(
       d_scores[..., i, j])
@@ -265,7 +283,7 @@ def decayed_scores(x, y, gate: ChunkGate, *, strict: bool) -> jax.Array:
     so strong KDA gates never overflow, and no ``[C, C, K]`` tensor is formed.
   """
   if gate.g.shape[-1] == 1:
-    return jnp.einsum("...ik,...jk->...ij", x, y) * gate.between(strict)[..., 0]
+    return einsum("...ik,...jk->...ij", x, y) * gate.between(strict)[..., 0]
   return _channel_scores(x, y, _ChannelBlocks(gate, min(SUB, x.shape[-2])),
                          strict)
 
@@ -280,8 +298,8 @@ def decayed_scores_vjp(d_scores, x, y, gate: ChunkGate, *, strict: bool):
   """
   if gate.g.shape[-1] == 1:
     d = d_scores * gate.between(strict)[..., 0]
-    dx = jnp.einsum("...ij,...jk->...ik", d, y)
-    dy = jnp.einsum("...ij,...ik->...jk", d, x)
+    dx = einsum("...ij,...jk->...ik", d, y)
+    dy = einsum("...ij,...ik->...jk", d, x)
   else:
     dx, dy = _channel_scores_vjp(
         d_scores, x, y, _ChannelBlocks(gate, min(SUB, x.shape[-2])), strict)
@@ -293,10 +311,6 @@ def reduce_gate(dg: jax.Array, gate_width: int) -> jax.Array:
   if gate_width == 1:
     return jnp.sum(dg, axis=-1, keepdims=True)
   return dg
-
-
-def _mm(x, y):
-  return jnp.matmul(x, y, precision=lax.Precision.HIGHEST)
 
 
 def invert_unit_lower(a: jax.Array) -> jax.Array:
@@ -320,14 +334,13 @@ def invert_unit_lower(a: jax.Array) -> jax.Array:
   t_diag = jnp.broadcast_to(eye, diag.shape)
   for r in range(1, sub):
     # Row r of (I + A_ii)^-1 is e_r - A_ii[r, :r] T[:r]; rows < r are final.
-    row = eye[r] - jnp.einsum("...j,...jk->...k", diag[..., r, :], t_diag,
-                              precision=lax.Precision.HIGHEST)
+    row = eye[r] - einsum("...j,...jk->...k", diag[..., r, :], t_diag)
     t_diag = t_diag.at[..., r, :].set(row)
   t = t_diag[..., 0, :, :]
   for i in range(1, n):
     rows = a[..., i * sub:(i + 1) * sub, :i * sub]
     t_ii = t_diag[..., i, :, :]
-    below = -_mm(t_ii, _mm(rows, t))
+    below = -mm(t_ii, mm(rows, t))
     t = jnp.concatenate([
         jnp.concatenate([t, jnp.zeros((*t.shape[:-1], sub), a.dtype)], -1),
         jnp.concatenate([below, t_ii], -1)], -2)
@@ -351,10 +364,10 @@ def token_step(state, q, k, v, a, b, cut=None):
   """
   decay = jnp.exp(a) if cut is None else jnp.where(cut, 0.0, jnp.exp(a))
   state = state * decay[..., :, None]
-  prediction = jnp.einsum("...kv,...k->...v", state, k)
+  prediction = einsum("...kv,...k->...v", state, k)
   residual = b[..., None] * (v - prediction)
   state = state + k[..., :, None] * residual[..., None, :]
-  o = jnp.einsum("...k,...kv->...v", q, state)
+  o = einsum("...k,...kv->...v", q, state)
   return state, o
 
 

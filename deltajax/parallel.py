@@ -232,9 +232,10 @@ def _segment(q, k, v, a, b, initial_state, segment_ids, *, axis_name, scale,
                                         scale=scale, impl=impl,
                                         chunk_size=chunk_size)
   s_in = _segment_initial_state(f, g, initial_state, axis_name)
-  o = o_zero + jnp.einsum("bthk,bhkv->bthv", p, s_in)
+  o = o_zero + common.einsum("bthk,bhkv->bthv", p, s_in)
   is_last = lax.axis_index(axis_name) == lax.axis_size(axis_name) - 1
-  final_state = lax.psum(jnp.where(is_last, f @ s_in + g, 0), axis_name)
+  final_state = lax.psum(jnp.where(is_last, common.mm(f, s_in) + g, 0),
+                         axis_name)
   return o.astype(v.dtype), final_state
 
 
@@ -283,9 +284,9 @@ def _segment_initial_state(f, g, initial_state, axis_name):
     f_prev, g_prev = lax.ppermute(
         (f, g), axis_name, [(i, i + shift) for i in range(n - shift)])
     has_prev = index >= shift
-    f, g = (jnp.where(has_prev, f @ f_prev, f),
-            jnp.where(has_prev, f @ g_prev + g, g))
+    f, g = (jnp.where(has_prev, common.mm(f, f_prev), f),
+            jnp.where(has_prev, common.mm(f, g_prev) + g, g))
     shift *= 2
-  after = lax.ppermute(f @ initial_state + g, axis_name,
+  after = lax.ppermute(common.mm(f, initial_state) + g, axis_name,
                        [(i, i + 1) for i in range(n - 1)])
   return jnp.where(index == 0, initial_state, after)

@@ -7,15 +7,22 @@ relative RMS error ``||x - ref|| / ||ref||``. q, k, v, a and b are rounded to
 the low dtype first; the reference is deltajax's scan in float64 on the same
 rounded values (itself checked against reference A and autodiff in
 test_forward.py and test_gradients.py).
+
+float32 means float32: every matrix product of the jnp implementations
+(forward and backward, both gates, the decoding step) asks for
+``Precision.HIGHEST``, read from the jaxpr, since XLA's default takes TF32
+products on NVIDIA GPUs (errors near 1e-3; the GPU run: tests/test_gpu.py).
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
+import deltajax
 import utils
 
 TOLERANCES = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008,
@@ -67,3 +74,60 @@ def test_matches_float64_reference(case, dtype_name, impl):
   assert all(np.isfinite(list(errors.values())))
   failed = {n: e for n, e in errors.items() if not e <= TOLERANCES[n]}
   assert not failed, f"above fla's tolerances {TOLERANCES}: {failed}"
+
+
+# Float32-exact settings of a dot_general's ``precision`` (per operand), as
+# a Precision or a dot algorithm.
+EXACT = (lax.Precision.HIGHEST, lax.DotAlgorithmPreset.F32_F32_F32)
+
+
+def _dots(jaxpr):
+  """Every dot_general equation of ``jaxpr`` and of the jaxprs inside it
+  (jit, scan, while and cond bodies, custom_vjp primals)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _dots(sub)
+
+
+def _traced(impl, per_channel, dtype):
+  """Jaxprs ``(forward, forward and backward)`` of ``impl`` ("scan",
+  "chunked" or the decoding step, "step") on ``dtype`` q, k, v and float32
+  gates and state: two chunks, so that the blocked inverse and the
+  per-channel score blocks run."""
+  x = utils.random_inputs(7, batch=1, length=100, heads=2, key_dim=32,
+                          value_dim=16, per_channel=per_channel)
+  args = (*(jnp.asarray(t, dtype) for t in x[:3]),
+          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  if impl == "step":
+    fn = lambda q, k, v, a, b, s: deltajax.gated_delta_step(
+        s, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], impl="jnp")
+  else:
+    fn = functools.partial(utils.gated_delta, impl)
+  cotangents = tuple(jnp.zeros_like(y) for y in jax.eval_shape(fn, *args))
+  return (jax.make_jaxpr(fn)(*args),
+          jax.make_jaxpr(lambda *a: utils.vjp(fn, a, cotangents))(*args))
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16),
+                         ids=("float32", "bfloat16"))
+@pytest.mark.parametrize("per_channel", (False, True), ids=("gdn", "kda"))
+@pytest.mark.parametrize("impl", ("chunked", "scan", "step"))
+def test_every_product_is_float32_exact(impl, per_channel, dtype):
+  """Every dot_general of the forward and the backward multiplies float32
+  operands at HIGHEST precision (16-bit inputs are computed in float32)."""
+  forward, backward = (list(_dots(j.jaxpr)) for j in _traced(
+      impl, per_channel, dtype))
+  print(f"{impl} {'kda' if per_channel else 'gdn'} {jnp.dtype(dtype).name}: "
+        f"{len(forward)} products in the forward, {len(backward)} with the "
+        f"backward")
+  assert forward and len(backward) > len(forward)
+  for eqn in backward:
+    precision = eqn.params["precision"]
+    precision = precision if isinstance(precision, tuple) else (precision,)
+    assert all(p in EXACT for p in precision), eqn
+    assert all(v.aval.dtype == jnp.float32 for v in eqn.invars), eqn
