@@ -47,7 +47,7 @@ class KernelConfig:
   float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
   """
   inverse: Launch = Launch(num_warps=1, num_stages=1)
-  intra: Launch = Launch(num_warps=4, num_stages=1)
+  intra: Launch = Launch(num_warps=1, num_stages=1)
   forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
   output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
   w_u: Launch = Launch(num_warps=4, num_stages=1)
