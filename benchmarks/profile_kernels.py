@@ -39,18 +39,18 @@ def stage_inputs(shape, c=64):
   q, k, v, a, b, do = make_inputs(shape)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   g, beta, _ = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), None, c,
-                          jnp.float32)
+                          jnp.float32, shape[3])
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.KernelConfig(interpret=False)
   fixed = lambda fn, **kw: functools.partial(
       fn, chunk_size=c, interpret=False, dot=config.dot, **kw)
   arrays = {
-      "inverse": dict(k=k, g=g, b=beta, cuts=None),
+      "inverse": dict(k=k, g=g, b=beta, cuts=None, a=None),
       "forward_scan": dict(k=k, v=v, g=g, b=beta, cuts=None, chunk_seq=None,
                            initial_state=s0),
-      "output": dict(q=q, k=k, g=g, cuts=None),
+      "output": dict(q=q, k=k, g=g, cuts=None, p=None),
       "w_u": dict(k=k, v=v, g=g, b=beta, cuts=None),
-      "output_backward": dict(q=q, k=k, g=g, cuts=None, d_o=do),
+      "output_backward": dict(q=q, k=k, g=g, cuts=None, p=None, d_o=do),
       "backward_scan": dict(q=q, k=k, g=g, cuts=None, chunk_seq=None,
                             d_o=do, d_final=s0),
       "ut_backward": dict(k=k, v=v, g=g, b=beta, cuts=None),
@@ -73,7 +73,7 @@ def stage_inputs(shape, c=64):
   w, u = run("w_u")
   for name in ("output", "output_backward"):
     arrays[name].update(states=states, delta=delta)
-  _, dk_out, dg_out, dd_local = run("output_backward")
+  _, dg_out, dd_local, dk_out = run("output_backward")
   arrays["backward_scan"].update(w=w, d_delta_local=dd_local)
   d_delta, d_next, _ = run("backward_scan")
   arrays["ut_backward"].update(w=w, u=u, states=states, d_next=d_next,
