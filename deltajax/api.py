@@ -1,6 +1,8 @@
 """Public API: input checks, the normalisation every implementation relies on, dispatch.
 
-``gated_delta`` validates the user's arguments, applies the fused options
+``gated_delta`` validates the user's arguments (shapes, dtypes and a
+concrete ``cu_seqlens`` on the host; values by checkify debug checks inside
+the compiled program), applies the fused options
 (q/k L2 norm, the gate from ``A_log``/``dt_bias``, beta from logits), turns
 ``segment_ids`` into cuts and ``cu_seqlens`` into a chunk-aligned layout,
 pads T, and calls the implementation that :func:`registry.select` picks, in
@@ -13,6 +15,7 @@ import functools
 import numbers
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,6 +88,94 @@ def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
     raise ValueError(f"T, K and V must be positive; got q {tuple(q.shape)}, "
                      f"v {tuple(v.shape)}")
   return "channel" if per_channel else "head"
+
+
+def _broken_rule(name: str, rule: str, index, value) -> str:
+  """The message for element ``index`` of ``name``, ``value``, which breaks ``rule``."""
+  return f"{name} {rule}; got {name}[{index}] = {value}"
+
+
+def _cu_seqlens_rule(total: int) -> str:
+  return f"must start at 0, be non-decreasing and end at T = {total}"
+
+
+def _cu_seqlens_faults(cu_seqlens, total: int, xp):
+  """Bool ``[N + 1]``: where ``cu_seqlens`` breaks :func:`_cu_seqlens_rule`.
+
+  ``xp`` is numpy for a concrete ``cu_seqlens``, jax.numpy for a traced one.
+  """
+  faults = xp.concatenate([cu_seqlens[:1] != 0,
+                           cu_seqlens[1:] < cu_seqlens[:-1]])
+  last = xp.arange(cu_seqlens.shape[0]) == cu_seqlens.shape[0] - 1
+  return faults | (last & (cu_seqlens != total))
+
+
+def _check_cu_seqlens_values(cu_seqlens, total: int) -> None:
+  """Raises ``ValueError`` at the first bad element of a concrete ``cu_seqlens``.
+
+  A traced one (under ``jit``) cannot be read here; :func:`_debug_check_values`
+  checks it under ``checkify``.
+  """
+  if isinstance(cu_seqlens, jax.core.Tracer):
+    return
+  cu_seqlens = np.asarray(cu_seqlens)
+  faults = _cu_seqlens_faults(cu_seqlens, total, np)
+  if faults.any():
+    i = int(np.argmax(faults))
+    raise ValueError(_broken_rule("cu_seqlens", _cu_seqlens_rule(total), i,
+                                  cu_seqlens[i]))
+
+
+def _debug_check(name: str, x, ok, rule: str) -> None:
+  """A ``checkify.debug_check`` that ``ok`` (bool, x's shape) holds everywhere.
+
+  A no-op unless the caller is functionalised by ``checkify.checkify`` (with
+  ``errors=checkify.user_checks``); then the error names the first element of
+  ``x`` that breaks ``rule``, by index and value.
+  """
+  index = jnp.unravel_index(jnp.argmin(ok), ok.shape)
+  template = _broken_rule(name, rule, ", ".join(["{}"] * ok.ndim), "{}")
+  checkify.debug_check(jnp.all(ok), template, *index, x[index])
+
+
+def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
+                        dt_bias=None, beta_sigmoid=False,
+                        allow_neg_eigval=False) -> None:
+  """The inputs' values as :func:`_debug_check` s: free unless checkified.
+
+  Args:
+    finite: ``{name: array or None}``, arrays that must be finite (q, k, v
+      and the state).
+    a: the log decay, ``<= 0`` (``-inf`` forgets fully); with ``A_log`` the
+      gate input, which like ``A_log`` and ``dt_bias`` must not be NaN.
+    b: beta in ``[0, 2]``, so ``[0, 1]`` when ``allow_neg_eigval`` doubles
+      it; with ``beta_sigmoid`` logits, not NaN.
+    cu_seqlens: None, or ``[N + 1]``: starts at 0, non-decreasing, ends at
+      T, ``a.shape[1]``.
+  """
+  checks = [(name, x, jnp.isfinite(x), "must be finite")
+            for name, x in finite.items() if x is not None]
+  if A_log is None:
+    checks.append(("a", a, a <= 0,
+                   "must be <= 0 (a log decay; -inf forgets fully)"))
+  else:
+    checks += [(name, x, ~jnp.isnan(x), "must not be NaN")
+               for name, x in (("a", a), ("A_log", A_log),
+                               ("dt_bias", dt_bias)) if x is not None]
+  if beta_sigmoid:
+    checks.append(("b", b, ~jnp.isnan(b), "must not be NaN"))
+  elif allow_neg_eigval:
+    checks.append(("b", b, (b >= 0) & (b <= 1),
+                   "must be in [0, 1] (allow_neg_eigval doubles it)"))
+  else:
+    checks.append(("b", b, (b >= 0) & (b <= 2), "must be in [0, 2]"))
+  if cu_seqlens is not None:
+    total = a.shape[1]
+    checks.append(("cu_seqlens", cu_seqlens,
+                   ~_cu_seqlens_faults(cu_seqlens, total, jnp),
+                   _cu_seqlens_rule(total)))
+  for name, x, ok, rule in checks:
+    _debug_check(name, x, ok, rule)
 
 
 def _check_gate_parameters(a, A_log, dt_bias, gate: str) -> None:
@@ -180,8 +271,7 @@ def _fused_inputs(q, k, a, b, *, use_qk_l2norm, A_log, dt_bias, beta_sigmoid,
 
 def _segment_cuts(segment_ids: jax.Array, like: jax.Array) -> jax.Array:
   """Bool of ``like``'s shape ``[B, T, HV, W]``: tokens where the segment id changes."""
-  change = segment_ids[:, 1:] != segment_ids[:, :-1]
-  cut = jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+  cut = common.segment_starts(segment_ids)
   return jnp.broadcast_to(cut[:, :, None, None], like.shape)
 
 
@@ -199,6 +289,10 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
          *, scale, impl, chunk_size, use_qk_l2norm, beta_sigmoid,
          allow_neg_eigval):
   """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``."""
+  _debug_check_values(dict(q=q, k=k, v=v, initial_state=initial_state), a, b,
+                      cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+                      beta_sigmoid=beta_sigmoid,
+                      allow_neg_eigval=allow_neg_eigval)
   dtype = common.compute_dtype(q, k, v)
   q, k, a, b = _fused_inputs(
       q, k, a, b, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
@@ -257,7 +351,7 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
     a: log decay ``log(alpha) <= 0``: ``[B, T, HV]`` (Gated DeltaNet) or
       ``[B, T, HV, K]`` (KDA). ``a = 0`` is DeltaNet, ``a = -inf`` forgets
       the state fully. With ``A_log``, the raw gate input instead.
-    b: write strength beta, ``[B, T, HV]``, in ``(0, 2)``; not clamped. With
+    b: write strength beta, ``[B, T, HV]``, in ``[0, 2]``; not clamped. With
       ``beta_sigmoid``, logits.
     scale: multiplies q; defaults to ``K ** -0.5``.
     initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``)
@@ -265,10 +359,15 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
     return_final_state: also return the final state, of initial_state's shape.
     segment_ids: integer ``[B, T]`` (packed documents, as in JAX attention):
       the state restarts from zero wherever the id changes along a row; the
-      first segment of a row starts from ``initial_state``.
+      first segment of a row starts from ``initial_state``. Any integers:
+      an id that comes back after another one starts a new segment.
     cu_seqlens: integer ``[N + 1]`` (fla's packed sequences, ``B = 1``):
       sequence ``n`` is tokens ``[cu_seqlens[n], cu_seqlens[n + 1])``, with
-      ``cu_seqlens[0] = 0`` and ``cu_seqlens[N] = T``; may be traced.
+      ``cu_seqlens[0] = 0``, non-decreasing, and ``cu_seqlens[N] = T``. A
+      concrete one (numpy, a list, a jax array) is checked here: a
+      ``ValueError`` names its first bad element. It may be traced (under
+      ``jit``); then only checkify checks it (below), and a bad one gives
+      garbage outputs (never out-of-bounds memory accesses).
     use_qk_l2norm: L2-normalise q and k (eps 1e-6), gradients through it.
     A_log: ``[HV]``; then ``a = -exp(A_log) softplus(a + dt_bias)``.
     dt_bias: ``[HV]`` (``[HV, K]`` for KDA), used with ``A_log``.
@@ -280,6 +379,12 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
   The rank-2 form ``q, k [T, K]``, ``v [T, V]``, ``a [T]`` or ``[T, K]``,
   ``b [T]``, ``initial_state [K, V]`` (one sequence of one head) is accepted
   too, which is what the function sees under ``jax.vmap``.
+
+  Values are checked by ``checkify.debug_check`` s (q, k, v, initial_state
+  finite, ``a <= 0``, beta in ``[0, 2]``, a traced ``cu_seqlens``), which
+  cost nothing unless the caller wraps its function in
+  ``checkify.checkify(f, errors=checkify.user_checks)``; the error then names
+  the argument and its first bad element (indices of the rank-4 form).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)`` with the
@@ -320,6 +425,7 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
     if q.shape[0] != 1:
       raise ValueError(f"with cu_seqlens, q must have batch size 1 (packed "
                        f"[1, T_total, H, K]); got {tuple(q.shape)}")
+    _check_cu_seqlens_values(cu_seqlens, q.shape[1])
     n_states = cu_seqlens.shape[0] - 1
   if segment_ids is not None:
     segment_ids = jnp.asarray(segment_ids)
@@ -364,6 +470,8 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
       when the state is donated to an enclosing jit; gradients go through
       the jnp step.
 
+  Values are checked under checkify as in :func:`gated_delta`.
+
   Returns:
     ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
     float32 (float64 for float64 inputs).
@@ -400,6 +508,7 @@ def _step_impl(impl: str) -> str:
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl"))
 def _step(state, q, k, v, a, b, *, scale, impl):
+  _debug_check_values(dict(state=state, q=q, k=k, v=v), a, b)
   state = state.astype(common.compute_dtype(q, k, v))
   fn = _pallas_step if impl == "pallas" else _jnp_step
   return fn(state, q, k, v, a, b, scale)

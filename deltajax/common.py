@@ -410,7 +410,24 @@ def chunk_layout(cu_seqlens: jax.Array, total: int, chunk_size: int) -> Layout:
   slot = first_chunk[seq] * chunk_size + token - cu[seq]
   chunk_seq = jnp.searchsorted(first_chunk, jnp.arange(n_chunks),
                                side="right") - 1
+  # A traced cu_seqlens that breaks its contract gives garbage but never an
+  # out-of-bounds access: the gathers above and of the outputs through
+  # ``slot`` clamp their indices, the scatter into the layout drops
+  # out-of-range updates, and chunk_seq, which the Pallas kernels use
+  # unchecked to index the states, is clipped to [0, N): searchsorted in an
+  # unsorted first_chunk promises no range.
+  chunk_seq = jnp.clip(chunk_seq, 0, cu.shape[0] - 2)
   return Layout(slot, chunk_seq.astype(jnp.int32), lengths == 0)
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+  """Bool ``[B, T]``: the tokens whose segment id differs from the previous token's.
+
+  Only the changes matter: an id that comes back after another one starts a
+  new segment.
+  """
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
 
 
 def sequence_bounds(chunk_seq: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deltajax import api
+from deltajax import common
 
 __all__ = ["CHUNK_SIZES", "DeltaCache", "DeltaNet", "DeltaRuleLayer",
            "GatedDeltaNet", "KimiDeltaAttention", "OUTPUT_GATES", "a_log_init",
@@ -86,15 +87,17 @@ def causal_depthwise_conv(x: jax.Array, kernel: jax.Array, history: jax.Array,
   width, t = kernel.shape[0], x.shape[1]
   padded = jnp.concatenate([history.astype(x.dtype), x], axis=1)
   if segment_ids is not None:
-    padded_ids = jnp.concatenate(
-        [jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], axis=1)
+    # Segments are numbered, not compared by id: an id that comes back after
+    # another one starts a new segment, as it does for the state.
+    segments = jnp.cumsum(common.segment_starts(segment_ids), axis=1)
+    padded_segments = jnp.pad(segments, ((0, 0), (width - 1, 0)))
 
   def tap(i):
     """The inputs ``W - 1 - i`` tokens back, zero across a segment start."""
     window = padded[:, i:i + t]
     if segment_ids is None:
       return window
-    same = padded_ids[:, i:i + t] == segment_ids
+    same = padded_segments[:, i:i + t] == segments
     return jnp.where(same[..., None], window, 0)
 
   y = sum(tap(i) * kernel[i] for i in range(width))

@@ -7,6 +7,7 @@ Kimi: 3 heads of 32) with every parameter perturbed away from its init.
 import json
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -114,6 +115,15 @@ def test_layer_equals_transformers(pair):
   x = _x()
   error = _rel_rms(layer(jnp.asarray(x)), _torch_forward(module, x))
   assert error < 1e-5, error
+
+
+def test_value_checks_reach_the_rule_under_checkify(pair):
+  """A NaN in x makes q non-finite; checkify's error names q."""
+  _, _, _, layer = pair
+  x = jnp.asarray(_x()).at[0, 7, 5].set(jnp.nan)
+  error, _ = checkify.checkify(jax.jit(lambda x: layer(x)),
+                               errors=checkify.user_checks)(x)
+  assert error.get().startswith("q must be finite; got q[0, 7,"), error.get()
 
 
 def test_left_padding_mask_equals_transformers(pair):

@@ -1,6 +1,7 @@
 """Tests of the Flax layers in deltajax.nn."""
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -321,6 +322,28 @@ def test_packed_segments_equal_separate_sequences(cls):
   separate = jnp.concatenate([layer(x[:, a:b]) for a, b in bounds], axis=1)
   np.testing.assert_allclose(layer(x, segment_ids=ids), separate, rtol=1e-5,
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_a_segment_id_that_comes_back_starts_a_new_segment(cls):
+  """As for the state, the convolution window restarts where the id changes."""
+  layer = _layer(cls, chunk_size=16)
+  x = _inputs((1, 12, D_MODEL))
+  repeated = jnp.array([[0] * 5 + [1] * 2 + [0] * 5])
+  numbered = jnp.array([[0] * 5 + [1] * 2 + [2] * 5])
+  np.testing.assert_array_equal(layer(x, segment_ids=repeated),
+                                layer(x, segment_ids=numbered))
+
+
+def test_value_checks_reach_the_rule_under_checkify():
+  """A NaN in x makes q non-finite; checkify's error names q."""
+  layer = _layer(nn.GatedDeltaNet)
+  x = _inputs((2, 10, D_MODEL))
+  checked = checkify.checkify(jax.jit(lambda x: layer(x)),
+                              errors=checkify.user_checks)
+  assert checked(x)[0].get() is None
+  error = checked(x.at[1, 4, 3].set(jnp.nan))[0].get()
+  assert error.startswith("q must be finite; got q[1, 4,"), error
 
 
 def test_low_rank_gates_and_sigmoid_output_gate():

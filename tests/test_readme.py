@@ -1,4 +1,4 @@
-"""The README's runnable examples (sections "## API" and "## Real models: ...") run."""
+"""The README's runnable examples (sections "## API", "## Value checks" and "## Real models: ...") run."""
 
 import pathlib
 import re
@@ -33,6 +33,12 @@ def _run_section(heading: str):
 def test_api_example_runs(capsys):
   _run_section("## API")
   assert "(2, 100, 64)" in capsys.readouterr().out
+
+
+def test_value_checks_example_runs(capsys):
+  _run_section("## Value checks")
+  out = capsys.readouterr().out
+  assert "a must be <= 0" in out and "got a[0, 3, 1] = 0.5" in out, out
 
 
 def test_real_models_example_runs(capsys):

@@ -1,10 +1,16 @@
 """Bad input raises ValueError or TypeError with a message that says what is wrong."""
 
+import re
+
+import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import deltajax
+from deltajax import api
+from deltajax import common
 
 B, T, H, K, V = 2, 6, 3, 4, 5
 
@@ -152,3 +158,251 @@ def test_valid_arguments_are_accepted():
       _zeros(B, H, K, V), _zeros(B, H, K), _zeros(B, H, K), _zeros(B, H, V),
       _zeros(B, H), _zeros(B, H))
   assert o.shape == (B, H, V) and state.shape == (B, H, K, V)
+
+
+# --- Values ------------------------------------------------------------------
+#
+# A concrete cu_seqlens is checked on the host; the values of the arrays (and
+# a traced cu_seqlens) by checkify debug checks, which only checkify turns on.
+
+T_PACKED = 40
+CU_RULE = (r"cu_seqlens must start at 0, be non-decreasing and end at T = 40; "
+           r"got ")
+BAD_CU_SEQLENS = {
+    "decreasing": ([0, 30, 20, 40], r"cu_seqlens\[2\] = 20"),
+    "last is not T": ([0, 10, 30], r"cu_seqlens\[2\] = 30"),
+    "first is not 0": ([5, 10, 40], r"cu_seqlens\[0\] = 5"),
+}
+
+
+def _packed(**changes):
+  """Valid arguments of two packed sequences, B = 1, T = 40."""
+  args = dict(q=jnp.full((1, T_PACKED, H, K), 0.5),
+              k=jnp.full((1, T_PACKED, H, K), 0.5),
+              v=jnp.ones((1, T_PACKED, H, V)),
+              a=jnp.full((1, T_PACKED, H), -0.1),
+              b=jnp.full((1, T_PACKED, H), 0.5),
+              cu_seqlens=jnp.array([0, 15, T_PACKED]))
+  args.update(changes)
+  return args
+
+
+def _checkify_error(fn, *args):
+  """The user-check error message of ``jit(fn)(*args)`` under checkify, or None."""
+  error, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(*args)
+  return error.get()
+
+
+def _gated_delta_error(args):
+  """:func:`_checkify_error` of ``gated_delta(**args)``, its arrays traced."""
+  arrays = {n: x for n, x in args.items() if isinstance(x, jax.Array)}
+  options = {n: x for n, x in args.items() if n not in arrays}
+  return _checkify_error(
+      lambda arrays: deltajax.gated_delta(**arrays, **options), arrays)
+
+
+@pytest.mark.parametrize("kind", ("list", "numpy", "jax"))
+@pytest.mark.parametrize("name", tuple(BAD_CU_SEQLENS))
+def test_concrete_cu_seqlens_is_checked(name, kind):
+  values, position = BAD_CU_SEQLENS[name]
+  cu_seqlens = {"list": values, "numpy": np.array(values),
+                "jax": jnp.array(values)}[kind]
+  with pytest.raises(ValueError, match=CU_RULE + position):
+    deltajax.gated_delta(**_packed(cu_seqlens=cu_seqlens))
+
+
+def test_kda_checks_concrete_cu_seqlens():
+  values, position = BAD_CU_SEQLENS["decreasing"]
+  with pytest.raises(ValueError, match=CU_RULE + position):
+    deltajax.kda(**_packed(a=jnp.zeros((1, T_PACKED, H, K)),
+                           cu_seqlens=np.array(values)))
+
+
+@pytest.mark.parametrize("name", tuple(BAD_CU_SEQLENS))
+def test_traced_cu_seqlens_is_checked_under_checkify(name):
+  values, position = BAD_CU_SEQLENS[name]
+  message = _gated_delta_error(_packed(cu_seqlens=jnp.array(values)))
+  assert re.search(CU_RULE + position, message), message
+
+
+def test_traced_bad_cu_seqlens_stays_in_bounds():
+  """Unchecked, a bad traced cu_seqlens gives garbage, never out-of-range indices."""
+  for values in ([0, 30, 20, 40], [0, 40, -100, 40], [40, 0, 0, 40],
+                 [-64, 0, 100, 40], [0, 10, 20, 30]):
+    layout = jax.jit(common.chunk_layout, static_argnums=(1, 2))(
+        jnp.array(values), T_PACKED, 16)
+    assert np.all((layout.chunk_seq >= 0) & (layout.chunk_seq < 3)), values
+    o = jax.jit(lambda cu: deltajax.gated_delta(
+        **_packed(cu_seqlens=cu)))(jnp.array(values))
+    assert o.shape == (1, T_PACKED, H, V)
+
+
+def test_segment_ids_need_no_order():
+  """Only changes of the id count: an id that comes back starts a new segment."""
+  args = _packed(cu_seqlens=None)
+  repeated = jnp.array([[0] * 15 + [1] * 10 + [0] * 15])
+  numbered = jnp.array([[0] * 15 + [1] * 10 + [2] * 15])
+  np.testing.assert_array_equal(
+      deltajax.gated_delta(**args, segment_ids=repeated),
+      deltajax.gated_delta(**args, segment_ids=numbered))
+  assert _gated_delta_error(args | dict(segment_ids=repeated)) is None
+
+
+def _nan_at(x, index):
+  return x.at[index].set(jnp.nan)
+
+
+BAD_VALUES = {
+    "a = 1": (dict(a=jnp.ones((B, T, H))),
+              r"a must be <= 0 \(a log decay; -inf forgets fully\); "
+              r"got a\[0, 0, 0\] = 1"),
+    "a NaN": (dict(a=_nan_at(jnp.zeros((B, T, H)), (1, 2, 0))),
+              r"a must be <= 0 .*; got a\[1, 2, 0\] = nan"),
+    "kda a > 0": (dict(a=jnp.zeros((B, T, H, K)).at[0, 1, 2, 3].set(0.5)),
+                  r"a must be <= 0 .*; got a\[0, 1, 2, 3\] = 0.5"),
+    "b = 3": (dict(b=jnp.full((B, T, H), 3.0)),
+              r"b must be in \[0, 2\]; got b\[0, 0, 0\] = 3"),
+    "b = -0.5": (dict(b=jnp.ones((B, T, H)).at[1, 5, 2].set(-0.5)),
+                 r"b must be in \[0, 2\]; got b\[1, 5, 2\] = -0.5"),
+    "b NaN": (dict(b=_nan_at(jnp.ones((B, T, H)), (0, 3, 1))),
+              r"b must be in \[0, 2\]; got b\[0, 3, 1\] = nan"),
+    "doubled b = 1.5": (
+        dict(b=jnp.full((B, T, H), 1.5), allow_neg_eigval=True),
+        r"b must be in \[0, 1\] \(allow_neg_eigval doubles it\); got "
+        r"b\[0, 0, 0\] = 1.5"),
+    "logit b NaN": (dict(b=_nan_at(jnp.ones((B, T, H)), (0, 0, 0)),
+                         beta_sigmoid=True),
+                    r"b must not be NaN; got b\[0, 0, 0\] = nan"),
+    "gate input NaN": (dict(a=_nan_at(jnp.ones((B, T, H)), (1, 0, 0)),
+                            A_log=jnp.zeros(H)),
+                       r"a must not be NaN; got a\[1, 0, 0\] = nan"),
+    "A_log NaN": (dict(A_log=_nan_at(jnp.zeros(H), 1)),
+                  r"A_log must not be NaN; got A_log\[1\] = nan"),
+    "q NaN": (dict(q=_nan_at(jnp.ones((B, T, H, K)), (1, 2, 0, 3))),
+              r"q must be finite; got q\[1, 2, 0, 3\] = nan"),
+    "k inf": (dict(k=jnp.ones((B, T, H, K)).at[0, 0, 1, 0].set(jnp.inf)),
+              r"k must be finite; got k\[0, 0, 1, 0\] = inf"),
+    "v NaN": (dict(v=_nan_at(jnp.ones((B, T, H, V)), (0, 1, 2, 3))),
+              r"v must be finite; got v\[0, 1, 2, 3\] = nan"),
+    "initial_state NaN": (
+        dict(initial_state=_nan_at(jnp.zeros((B, H, K, V)), (1, 0, 0, 0))),
+        r"initial_state must be finite; got initial_state\[1, 0, 0, 0\] = "
+        r"nan"),
+}
+
+
+@pytest.mark.parametrize("name", tuple(BAD_VALUES))
+def test_bad_values_are_named_under_checkify(name):
+  changes, message = BAD_VALUES[name]
+  got = _gated_delta_error(_args(**changes))
+  assert got is not None and re.search(message, got), got
+
+
+STEP_BAD_VALUES = {
+    "a = 1": (dict(a=jnp.ones((B, H))),
+              r"a must be <= 0 .*; got a\[0, 0\] = 1"),
+    "b = 3": (dict(b=jnp.full((B, H), 3.0)),
+              r"b must be in \[0, 2\]; got b\[0, 0\] = 3"),
+    "state NaN": (dict(state=_nan_at(jnp.zeros((B, H, K, V)), (0, 1, 2, 3))),
+                  r"state must be finite; got state\[0, 1, 2, 3\] = nan"),
+}
+
+
+@pytest.mark.parametrize("name", tuple(STEP_BAD_VALUES))
+def test_step_bad_values_are_named_under_checkify(name):
+  changes, message = STEP_BAD_VALUES[name]
+  args = dict(state=_zeros(B, H, K, V), q=_zeros(B, H, K), k=_zeros(B, H, K),
+              v=_zeros(B, H, V), a=_zeros(B, H), b=_zeros(B, H)) | changes
+  got = _checkify_error(lambda args: deltajax.gated_delta_step(**args), args)
+  assert got is not None and re.search(message, got), got
+
+
+VALID_VALUES = {
+    "a = -inf, b = 0 and 2": _args(
+        a=jnp.zeros((B, T, H)).at[:, 2].set(-jnp.inf),
+        b=jnp.zeros((B, T, H)).at[:, 3].set(2.0)),
+    "state": _args(initial_state=jnp.ones((B, H, K, V))),
+    "kda": _args(a=jnp.full((B, T, H, K), -0.5)),
+    "gate input and logits": _args(
+        a=jnp.full((B, T, H), 50.0), A_log=jnp.zeros(H), dt_bias=jnp.ones(H),
+        b=jnp.full((B, T, H), -30.0), beta_sigmoid=True,
+        allow_neg_eigval=True),
+    "doubled b = 1": _args(b=jnp.ones((B, T, H)), allow_neg_eigval=True),
+    "packed, an empty sequence": _packed(
+        cu_seqlens=jnp.array([0, 0, 17, T_PACKED])),
+}
+
+
+@pytest.mark.parametrize("name", tuple(VALID_VALUES))
+def test_valid_values_pass_checkify(name):
+  assert _gated_delta_error(VALID_VALUES[name]) is None
+
+
+def test_value_checks_run_eagerly_and_through_gradients():
+  """checkify without an outer jit, and of a gradient (a training step)."""
+  args = _args(b=jnp.full((B, T, H), 3.0))
+  error, _ = checkify.checkify(deltajax.gated_delta,
+                               errors=checkify.user_checks)(**args)
+  with pytest.raises(checkify.JaxRuntimeError, match=r"b must be in \[0, 2\]"):
+    error.throw()
+  loss = lambda q: jnp.sum(deltajax.gated_delta(**args | dict(q=q)) ** 2)
+  assert "b must be in [0, 2]" in _checkify_error(jax.grad(loss), args["q"])
+
+
+def _program(fn, *args) -> str:
+  """The compiled program of ``jit(fn)``, without metadata, instructions renamed in order.
+
+  XLA numbers the instructions before it removes dead code, so dead checks
+  shift the numbers of the others.
+  """
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  text = re.sub(r", metadata=\{[^}]*\}", "", text)
+  text = re.sub(r"(?ms)^(FileNames|FunctionNames|FileLocations|StackFrames)"
+                r"\n.*?\n\n", "", text)
+  names = {}
+  return re.sub(r"%[\w.\-]+|\b[A-Za-z_][\w\-]*(?:\.\d+)+\b",
+                lambda m: names.setdefault(m.group(0).lstrip("%"),
+                                           f"%{len(names)}"), text)
+
+
+def _squared_sum(fn):
+  return lambda *x: jnp.sum(fn(*x) ** 2)
+
+
+PROGRAMS = {
+    "packed": (lambda q, cu: deltajax.gated_delta(**_packed(
+        q=q, cu_seqlens=cu, initial_state=jnp.zeros((2, H, K, V)))),
+               (jnp.ones((1, T_PACKED, H, K)), jnp.array([0, 15, T_PACKED]))),
+    "gradient, A_log and logits": (
+        jax.grad(_squared_sum(lambda q: deltajax.gated_delta(
+            **_args(q=q, A_log=jnp.zeros(H), beta_sigmoid=True)))),
+        (jnp.ones((B, T, H, K)),)),
+    "step": (lambda a: deltajax.gated_delta_step(
+        _zeros(B, H, K, V), _zeros(B, H, K), _zeros(B, H, K), _zeros(B, H, V),
+        a, _zeros(B, H)), (_zeros(B, H),)),
+}
+
+
+@pytest.fixture
+def without_value_checks(monkeypatch):
+  """The value checks patched to a no-op, the traces cached with them cleared."""
+  jax.clear_caches()
+  monkeypatch.setattr(api, "_debug_check_values", lambda *a, **k: None)
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", tuple(PROGRAMS))
+def test_value_checks_leave_the_compiled_program_unchanged(name, request):
+  """Without checkify the checks are dead code, which XLA removes.
+
+  The lowered StableHLO still computes the predicates (a debug check keeps
+  its operands alive in the jaxpr and lowers to nothing), so the programs
+  compared are the compiled ones. (An input used only by a check would stay
+  a parameter of the program.)
+  """
+  fn, args = PROGRAMS[name]
+  checked = _program(fn, *args)
+  request.getfixturevalue("without_value_checks")
+  assert _program(fn, *args) == checked
