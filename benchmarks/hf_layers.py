@@ -1,7 +1,7 @@
 """Real-model linear-attention layers on the GPU: deltajax.hf against transformers (+ fla).
 
     python benchmarks/hf_layers.py [--lengths 4096 32768] [--reps 10]
-        [--models qwen3_next kimi_linear] [--no-torch]
+        [--models qwen3_next kimi_linear] [--impl auto] [--no-torch]
 
 A Qwen3-Next-80B-sized Gated DeltaNet layer (hidden 2048, 16 key heads, 32
 value heads, d 128) and a Kimi-Linear-sized KDA layer (hidden 2304, 32
@@ -96,6 +96,10 @@ def main():
   parser.add_argument("--lengths", nargs="*", type=int, default=(4096, 32768))
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--models", nargs="*", default=tuple(MODELS))
+  parser.add_argument("--impl", default="auto",
+                      help="the rule's implementation in the deltajax layers "
+                      "(e.g. pallas: KDA's kernels, which auto does not take "
+                      "yet)")
   parser.add_argument("--no-torch", action="store_true",
                       help="time deltajax only (transformers builds the "
                       "weights)")
@@ -115,7 +119,7 @@ def main():
     module, config = torch_module(name, torch, transformers)
     state = {k: v.float().cpu().numpy() for k, v in module.state_dict().items()}
     build = hf.qwen3_next_layer if name == "qwen3_next" else hf.kimi_linear_layer
-    layer = build(config, state, dtype=jnp.bfloat16)
+    layer = build(config, state, dtype=jnp.bfloat16, impl=args.impl)
     hidden = MODELS[name]["hidden_size"]
     # deltajax first, so that its numbers survive a time limit reached while
     # fla compiles and tunes for a new shape.
