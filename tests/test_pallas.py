@@ -15,6 +15,7 @@ from deltajax import pallas
 from deltajax import registry
 from deltajax.pallas import core
 from deltajax.pallas import ops
+from deltajax.pallas import scores
 from deltajax.pallas import ut
 import utils
 
@@ -353,6 +354,29 @@ def test_pallas_kda_strong_gates_are_stable():
                          "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
     assert np.all(np.isfinite(np.asarray(g))), name
     assert utils.relative_rms_error(g, r) < 1e-3, (
+        name, utils.relative_rms_error(g, r))
+
+
+@pytest.mark.parametrize("fall", [0.99, 1.01])
+def test_pallas_kda_at_the_factoring_bound(fall):
+  """Channels whose gate falls by just under (fast path: factors near
+  ``e^SPAN``) or just over (exact path) ``scores.SPAN`` over every 16-token
+  block, float32 against float64: the factoring through the block's middle
+  keeps float32 precision at its bound."""
+  x = utils.random_inputs(4, batch=1, length=64, heads=1, key_dim=16,
+                          value_dim=16, per_channel=True)
+  a = np.array(x.a)
+  a[..., :4] = -fall * scores.SPAN / 15  # per token; 15 steps in a block
+  x = x._replace(a=a)
+  cts = utils.random_cotangents(4, x)
+  got, got_grads = _value_and_grads(
+      "pallas", tuple(jnp.asarray(t, jnp.float32) for t in x), cts, 32)
+  with jax.enable_x64(True):
+    ref, ref_grads = _value_and_grads(
+        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in x), cts, 32)
+  for name, g, r in zip(("o", "final_state", "dq", "dk", "dv", "da", "db",
+                         "dh0"), (*got, *got_grads), (*ref, *ref_grads)):
+    assert utils.relative_rms_error(g, r) < 1e-5, (
         name, utils.relative_rms_error(g, r))
 
 
