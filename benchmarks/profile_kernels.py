@@ -39,7 +39,7 @@ def stage_inputs(shape, c=64):
   q, k, v, a, b, do = make_inputs(shape)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   g, beta, _ = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), None, c,
-                          jnp.float32, shape[3])
+                          jnp.float32, shape[3], False)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.KernelConfig(interpret=False)
   fixed = lambda fn, **kw: functools.partial(

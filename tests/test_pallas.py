@@ -15,7 +15,7 @@ from deltajax import pallas
 from deltajax import registry
 from deltajax.pallas import core
 from deltajax.pallas import ops
-from deltajax.pallas import scores
+from deltajax.pallas import intra
 from deltajax.pallas import ut
 import utils
 
@@ -360,13 +360,13 @@ def test_pallas_kda_strong_gates_are_stable():
 @pytest.mark.parametrize("fall", [0.99, 1.01])
 def test_pallas_kda_at_the_factoring_bound(fall):
   """Channels whose gate falls by just under (fast path: factors near
-  ``e^SPAN``) or just over (exact path) ``scores.SPAN`` over every 16-token
+  ``e^SPAN``) or just over (exact path) ``intra.SPAN`` over every 16-token
   block, float32 against float64: the factoring through the block's middle
   keeps float32 precision at its bound."""
   x = utils.random_inputs(4, batch=1, length=64, heads=1, key_dim=16,
                           value_dim=16, per_channel=True)
   a = np.array(x.a)
-  a[..., :4] = -fall * scores.SPAN / 15  # per token; 15 steps in a block
+  a[..., :4] = -fall * intra.SPAN / 15  # per token; 15 steps in a block
   x = x._replace(a=a)
   cts = utils.random_cotangents(4, x)
   got, got_grads = _value_and_grads(

@@ -27,12 +27,14 @@ MIN_CAPABILITY = (8, 0)
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """Launch knobs of one kernel. ``block_v``: V columns per program (or per
-  inner step), None for kernels without one; ``num_stages=None``: chosen from
-  the tile sizes (the forward scan)."""
+  """Launch knobs of one kernel. ``block_v``, ``block_k``: V columns or key
+  channels per program (or per inner step), None for kernels without one (or
+  all of them); ``num_stages=None``: chosen from the tile sizes (the forward
+  scan)."""
   num_warps: int = 4
   num_stages: int | None = 1
   block_v: int | None = None
+  block_k: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +49,14 @@ class KernelConfig:
   float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
   """
   inverse: Launch = Launch(num_warps=1, num_stages=1)
-  intra: Launch = Launch(num_warps=1, num_stages=1)
+  intra: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
   forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
   output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
   w_u: Launch = Launch(num_warps=4, num_stages=1)
   output_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
   ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
-  intra_backward: Launch = Launch(num_warps=4, num_stages=1)
+  intra_backward: Launch = Launch(num_warps=4, num_stages=1, block_k=32)
   step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
   interpret: bool | None = None
   precision: str = "tf32x3"

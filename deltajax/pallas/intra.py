@@ -1,97 +1,284 @@
-"""Intra-chunk kernels of a per-channel (KDA) gate: the scores, formed once.
+"""Intra-chunk kernels of a per-channel (KDA) gate: the gate, the scores.
 
-Forward (:func:`forward`), parallel over (batch, value head, chunk): the
-strictly lower ``A = Gamma * K K^T`` of the UT system and the output's causal
-``P = scale Gamma * Q K^T``, ``[C, C]`` per chunk, by the tiles of
-:class:`scores.ChannelTiles`. :func:`ut.inverse` and the output kernels then
-work on plain matrices, as for a scalar gate.
+:func:`chunk_gates`: the chunk-local cumulative gate ``g = cumsum(a)``, read
+in a's ``[B, T, HV, K]`` layout and written per value head.
 
-Backward (:func:`backward`): the output and UT kernels leave the cotangents
-``dP`` and ``dM`` (of ``M = diag(b) A``) as matrices; one kernel turns them
-into the scores' shares of dq, dk, db and the per-channel gate's, adds the
-other kernels' shares, and sums the gate's cotangent into ``da`` (reverse
-cumulative sum within the chunk, the gate being the cumulative sum of a).
+Forward (:func:`forward`), parallel over (batch, value head, chunk, row
+block): the strictly lower ``A = Gamma * K K^T`` of the UT system and the
+output's causal ``P = scale Gamma * Q K^T``, ``[C, C]`` per chunk, where
+``Gamma_ijk = exp(g_ik - g_jk)``. :func:`ut.inverse` and the output kernels
+then work on plain matrices, as for a scalar gate.
+
+Backward (:func:`backward`), parallel over (batch, value head, chunk, block
+of key channels): the output and UT kernels leave the cotangents ``dP`` and
+``dM`` (of ``M = diag(b) A``) as matrices; this kernel turns them into the
+scores' shares of dq, dk, db and of the gate, adds the other kernels'
+shares, and sums the gate's cotangent into ``da`` (reverse cumulative sum
+within the chunk), written in a's layout.
+
+Every score is a product through a reference gate ``r`` (the seed's
+secondary chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
+(y_j e^{r - g_j})``. For the 16 rows of block I (forward, and the row side
+of the backward), ``r`` is the gate in the middle of block I where the gate
+falls by at most :data:`SPAN` over the block (every channel): one ``[16, K]
+x [K, C]`` product gives the whole row, the diagonal tile included, with
+every factor at most ``e^SPAN``. Elsewhere (a strong gate), ``r`` is the gate
+before block I: the columns left of the diagonal take only exponents <= 0,
+and the diagonal tile is formed column by column, masked to ``i >= j``
+before ``exp``. The column side of the backward (block I as ``y``) is the
+mirror image: the middle of block I, or the gate at its end. Cuts are
+masked on the products.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from deltajax.pallas import core
-from deltajax.pallas import scores
 from deltajax.pallas.core import SUB
 
+# The largest fall of the gate over a 16-token block that is factored through
+# the block's middle: factors and the masked products above the diagonal stay
+# below e^40 (~2e17), far from float32's overflow; a product below the
+# diagonal whose right factor underflows is below e^{40 - 87}.
+SPAN = 40.0
 
-def _tiles(q_ref, k_ref, g_ref, cuts_ref, dot):
-  """P's (causal, rows q) and A's (strict, rows k) tiles, both against k."""
-  return scores.ChannelTiles(xs=(q_ref, k_ref), strict=(False, True),
-                             y_ref=k_ref, g_ref=g_ref, cuts_ref=cuts_ref,
-                             dot=dot)
+
+def _acc(ref):
+  return core.accumulator(ref.dtype)
 
 
-def _tile(i: int, j: int):
-  """The ref index of tile (i, j) of a ``[C, C]`` block."""
-  return pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)
+def _row(ref, t, ks=slice(None)):
+  """Row t (a traced token) of ``ref`` ``[C, K]``, ``[1, K]`` float32."""
+  return ref[pl.ds(t, 1), ks].astype(core.accumulator(ref.dtype))
+
+
+def _is_gentle(g_ref, start, ks=slice(None)):
+  """Whether the gate falls by at most SPAN over the block at ``start``."""
+  fall = _row(g_ref, start, ks) - _row(g_ref, start + SUB - 1, ks)
+  return jnp.max(fall) <= SPAN
+
+
+def _mm(dot, dtype):
+  """Products of float32 factors: one TF32 pass for 16-bit inputs (whose own
+  rounding is coarser), the configured precision otherwise."""
+  low = jnp.dtype(dtype).itemsize < 4
+  return lambda a, b, **kw: dot(a, b, precision="tf32" if low else None, **kw)
+
+
+def _pairs(rows, cols, cuts_ref, strict: bool):
+  """``[len(rows), len(cols)]``: the pairs of tokens that carry a score
+  (``j <= i``, or ``j < i``, in one segment between cuts); ``rows``, ``cols``:
+  ``(start, size)``."""
+  i = rows[0] + core.iota((rows[1], cols[1]), 0)
+  j = cols[0] + core.iota((rows[1], cols[1]), 1)
+  mask = i > j if strict else i >= j
+  if cuts_ref is not None:
+    mask &= (cuts_ref[pl.ds(*rows)][:, None]
+             == cuts_ref[pl.ds(*cols)][None, :])
+  return mask
+
+
+def _diagonal_columns(g_ref, y_ref, start, ks, step, init):
+  """``lax.fori_loop`` of ``step(j, y_t [1, k], e [16, k], carry)`` over the
+  columns ``t = start + j`` of the diagonal tile at ``start``, with ``e =
+  exp(g_I - g_t)`` on the rows ``>= j``, masked before exp."""
+  g = g_ref[pl.ds(start, SUB), ks].astype(_acc(g_ref))
+  below = core.iota((SUB, 1), 0)
+
+  def column(j, carry):
+    t = start + j
+    e = core.masked_exp(g - _row(g_ref, t, ks), below >= j)
+    return step(j, _row(y_ref, t, ks), e, carry)
+  return lax.fori_loop(0, SUB, column, init)
+
+
+def _chunk_gates_kernel(*, a_ref, g_ref):
+  g_ref[...] = jnp.cumsum(a_ref[...].astype(g_ref.dtype), axis=0)
+
+
+def chunk_gates(a, *, chunk_size, interpret):
+  """The chunk-local cumulative gate of a per-channel log gate.
+
+  Args:
+    a: ``[B, T, HV, K]``, float32 (float64), K a power of two.
+
+  Returns:
+    ``g [B, HV, T, K]``: ``g_t = sum of a_s`` over the tokens ``s <= t`` of
+    t's chunk.
+  """
+  bsz, t_len, heads, dk = a.shape
+  c = chunk_size
+  return core.call(
+      _chunk_gates_kernel, grid=(bsz, heads, t_len // c),
+      inputs=dict(a_ref=(a, core.block(None, c, None, dk)(
+          lambda i, j, n: (i, n, j, 0)))),
+      outputs=dict(g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk),
+                                               a.dtype),
+                          core.block(None, None, c, dk)(
+                              lambda i, j, n: (i, j, n, 0)))),
+      launch=core.Launch(num_warps=4), interpret=interpret,
+      name="deltajax_chunk_gates")
 
 
 def _forward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref, scale,
-                    dot):
-  tiles = _tiles(q_ref, k_ref, g_ref, cuts_ref, dot)
-  zeros = jnp.zeros((SUB, SUB), jnp.float32)
-  for i in range(tiles.n):
-    qk, kk = tiles.row(i)
-    for j in range(tiles.n):
-      at = _tile(i, j)
-      p_ref[at] = (scale * qk[j] if j <= i else zeros).astype(p_ref.dtype)
-      a_ref[at] = (kk[j] if j <= i else zeros).astype(a_ref.dtype)
+                    dot, block_k):
+  """Rows ``16 I .. 16 I + 15`` (I the last grid index) of one chunk's P and
+  A, ``[16, C]`` each."""
+  c, d = k_ref.shape
+  start = pl.program_id(3) * SUB
+  rows = pl.ds(start, SUB)
+  mm = _mm(dot, k_ref.dtype)
+  token = core.iota((c, 1), 0)
+  gentle = _is_gentle(g_ref, start)
+  ref = jnp.where(gentle, start + SUB // 2, start - 1)
+  limit = jnp.where(gentle, start + SUB, start)  # the y rows factored
+  qk = kk = 0
+  for ks in core.blocks(d, block_k):
+    r = jnp.where(ref >= 0, _row(g_ref, jnp.maximum(ref, 0), ks), 0)
+    g_i = g_ref[rows, ks].astype(r.dtype)
+    left = jnp.exp(g_i - r)
+    right = k_ref[:, ks].astype(r.dtype) * core.masked_exp(
+        r - g_ref[:, ks].astype(r.dtype), token < limit)
+    qk += mm(q_ref[rows, ks].astype(r.dtype) * left, right, trans_b=True)
+    kk += mm(k_ref[rows, ks].astype(r.dtype) * left, right, trans_b=True)
+
+  def diagonal(tiles):
+    cols = core.iota((SUB, c), 1)
+
+    def step(j, y_t, e, tiles, ks):
+      t = start + j
+      return tuple(tile + jnp.where(cols == t, jnp.sum(
+          x_ref[rows, ks].astype(e.dtype) * y_t * e, axis=1)[:, None], 0)
+                   for x_ref, tile in zip((q_ref, k_ref), tiles))
+    for ks in core.blocks(d, block_k):
+      tiles = _diagonal_columns(
+          g_ref, k_ref, start, ks,
+          lambda j, y_t, e, tiles, ks=ks: step(j, y_t, e, tiles, ks), tiles)
+    return tiles
+  qk, kk = lax.cond(gentle, lambda t: t, diagonal, (qk, kk))
+  at = ((start, SUB), (0, c))
+  p_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
+                         0).astype(p_ref.dtype)
+  a_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
+                         0).astype(a_ref.dtype)
+
+
+def _row_side(*, start, gentle, g_ref, k_ref, d_rows, mm):
+  """Row block I's VJP as x, per cotangent ``d [16, C]`` of its rows:
+  ``sum_j d_ij k_j Gamma_ij`` ``[16, k]``, the diagonal tile included only
+  where ``gentle``."""
+  c = k_ref.shape[0]
+  acc = _acc(g_ref)
+  if start:
+    r = jnp.where(gentle, _row(g_ref, start + SUB // 2),
+                  _row(g_ref, start - 1))
+  else:
+    r = jnp.where(gentle, _row(g_ref, SUB // 2), 0)
+  limit = start + SUB * gentle.astype(jnp.int32)  # the y rows factored
+  left = jnp.exp(g_ref[pl.ds(start, SUB), :].astype(acc) - r)
+  right = k_ref[...].astype(acc) * core.masked_exp(
+      r - g_ref[...].astype(acc), core.iota((c, 1), 0) < limit)
+  return [mm(d, right) * left for d in d_rows]
+
+
+def _column_side(*, start, gentle, g_ref, xs, d_cols, mm):
+  """Block I's VJP as y: ``sum_i sum_m d_m,ij x_m,i Gamma_ij`` ``[16, k]``
+  over the pairs ``(d_m [C, 16], x_m [C, k])``, the diagonal tile included
+  only where ``gentle``."""
+  c = g_ref.shape[0]
+  acc = _acc(g_ref)
+  r = jnp.where(gentle, _row(g_ref, start + SUB // 2),
+                _row(g_ref, start + SUB - 1))
+  first = start + SUB * (1 - gentle.astype(jnp.int32))  # x rows factored
+  down = core.masked_exp(g_ref[...].astype(acc) - r,
+                         core.iota((c, 1), 0) >= first)
+  up = jnp.exp(r - g_ref[pl.ds(start, SUB), :].astype(acc))
+  return sum(mm(d, x * down, trans_a=True) for d, x in zip(d_cols, xs)) * up
+
+
+def _diagonal_vjp(*, start, g_ref, k_ref, xs, d_tiles, grads):
+  """Adds diagonal tile I's VJP, exactly: ``grads = (row-side per d_tile
+  [16, k], column side [16, k])``; ``d_tiles``: per row operand x (``[16,
+  k]`` block I of q, beta k), its cotangent tile ``[16, 16]``, masked."""
+  cols = core.iota((SUB, SUB), 1)
+  below = core.iota((SUB, 1), 0)
+
+  def step(j, y_t, e, carry):
+    rows_side, dy = carry
+    d_j = [jnp.sum(jnp.where(cols == j, d, 0), axis=1)[:, None]
+           for d in d_tiles]
+    rows_side = [r + d * e * y_t for r, d in zip(rows_side, d_j)]
+    dy_t = sum(jnp.sum(d * x * e, axis=0) for d, x in zip(d_j, xs))
+    return rows_side, dy + jnp.where(below == j, dy_t[None, :], 0)
+  return _diagonal_columns(g_ref, k_ref, start, slice(None), step, grads)
 
 
 def _backward_kernel(*, q_ref, k_ref, g_ref, b_ref, cuts_ref, dp_ref, dm_ref,
-                     dq_in_ref, dk_in_ref, dg_in_ref, db_in_ref, dq_ref,
-                     dk_ref, da_ref, db_ref, scale, dot):
-  """``dq = dq_in + (P's row side)``, ``dk = dk_in + b u + (both y sides)``,
-  ``db = db_in + k . u``, ``da = reverse cumsum of (dg_in + q dq_P +
-  k (b u - dy))``, with u A's row-side VJP of dM (``dA = diag(b) dM``, and
-  ``sum_j dM_ij A_ij = k_i . u_i``)."""
-  tiles = _tiles(q_ref, k_ref, g_ref, cuts_ref, dot)
-  acc = core.accumulator(k_ref.dtype)
-  n = tiles.n
-  dq_p, u, dy = {}, {}, [0] * n
-  for i in range(n):
-    beta = b_ref[pl.ds(i * SUB, SUB)].astype(acc)[:, None]
-    d_p = [(scale * dp_ref[_tile(i, j)],) * 2 for j in range(i + 1)]
-    d_m = [(dm_ref[_tile(i, j)], beta * dm_ref[_tile(i, j)])
-           for j in range(i + 1)]
-    (dq_p[i], u[i]), dy_i = tiles.row_vjp(i, [d_p, d_m])
-    for j, d in enumerate(dy_i):
-      dy[j] += d
+                     dq_in_ref, dk_in_ref, dg_in_ref, dq_ref, dk_ref, da_ref,
+                     db_ref, scale, dot):
+  """One chunk, the key channels of one block (q, k, g and the dq, dk, dg
+  refs ``[C, k]``); db's share of these channels.
+
+  ``dq = dq_in + P's row side``, ``dk = dk_in + b u + dy`` (u: A's row side
+  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = k . u`` (``sum_j
+  dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + k (b u - dy))``.
+  """
+  c = k_ref.shape[0]
+  acc = _acc(g_ref)
+  mm = _mm(dot, k_ref.dtype)
+  beta = b_ref[...].astype(acc)[:, None]
+  xs = [scale * q_ref[...].astype(acc), beta * k_ref[...].astype(acc)]
   later = 0  # the gate's cotangent summed over the blocks after this one
-  for i in reversed(range(n)):
-    rows = pl.ds(i * SUB, SUB)
+  for start in reversed(range(0, c, SUB)):
+    rows = pl.ds(start, SUB)
+    gentle = _is_gentle(g_ref, start)
+    at = dict(start=start, gentle=gentle, g_ref=g_ref)
+    row_at, col_at = ((start, SUB), (0, c)), ((0, c), (start, SUB))
+    d_rows = [jnp.where(_pairs(*row_at, cuts_ref, strict=s), ref[rows, :], 0)
+              for ref, s in ((dp_ref, False), (dm_ref, True))]
+    d_cols = [jnp.where(_pairs(*col_at, cuts_ref, strict=s), ref[:, rows], 0)
+              for ref, s in ((dp_ref, False), (dm_ref, True))]
+    grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
+             _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
+    tiles = [jnp.where(_pairs((start, SUB), (start, SUB), cuts_ref,
+                              strict=s), ref[rows, rows], 0)
+             for ref, s in ((dp_ref, False), (dm_ref, True))]
+    block_xs = [scale * q_ref[rows, :].astype(acc),
+                b_ref[rows].astype(acc)[:, None] * k_ref[rows, :].astype(acc)]
+    (dq_p, u), dy = lax.cond(
+        gentle, lambda grads: grads,
+        lambda grads: _diagonal_vjp(start=start, g_ref=g_ref, k_ref=k_ref,
+                                    xs=block_xs, d_tiles=tiles, grads=grads),
+        grads)
+    dq_p = scale * dq_p
     q, k = q_ref[rows, :].astype(acc), k_ref[rows, :].astype(acc)
-    dk_a = b_ref[rows].astype(acc)[:, None] * u[i]
-    dq_ref[rows, :] = (dq_in_ref[rows, :] + dq_p[i]).astype(dq_ref.dtype)
-    dk_ref[rows, :] = (dk_in_ref[rows, :] + dk_a + dy[i]).astype(dk_ref.dtype)
-    db_ref[rows] = db_in_ref[rows] + jnp.sum(k * u[i], axis=1)
-    dg = dg_in_ref[rows, :] + q * dq_p[i] + k * (dk_a - dy[i])
+    dk_a = b_ref[rows].astype(acc)[:, None] * u
+    dq_ref[rows, :] = (dq_in_ref[rows, :] + dq_p).astype(dq_ref.dtype)
+    dk_ref[rows, :] = (dk_in_ref[rows, :] + dk_a + dy).astype(dk_ref.dtype)
+    db_ref[rows] = jnp.sum(k * u, axis=1)
+    dg = dg_in_ref[rows, :] + q * dq_p + k * (dk_a - dy)
     da_ref[rows, :] = core.reverse_cumsum(dg, dot) + later
     later += jnp.sum(dg, axis=0)[None, :]
 
 
-def _specs(chunk_size, groups):
-  """BlockSpec makers for grid ``(B, HV, N)``: q/k rows (head ``j // G``),
-  value-head rows, the gate, ``[C, C]`` blocks, per-token values."""
+def _chunk_rows(chunk_size, groups, width):
+  """BlockSpec makers for grid ``(B, HV, N, m)``: one chunk's q/k rows
+  (head ``j // G``) or per-value-head rows, ``width`` channels at block m
+  (all for ``width=None``)."""
   c = chunk_size
+  col = lambda m: 0 if width is None else m
   return dict(
-      qk=lambda d: core.block(None, c, None, d)(
-          lambda i, j, n: (i, n, core.qk_head(j, groups), 0)),
-      keys=lambda d: core.block(None, c, None, d)(
-          lambda i, j, n: (i, n, j, 0)),
-      g=lambda d: core.block(None, None, c, d)(lambda i, j, n: (i, j, n, 0)),
-      square=core.block(None, None, c, c)(lambda i, j, n: (i, j, n, 0)),
-      gate=core.block(None, None, c)(lambda i, j, n: (i, j, n)))
+      qk=lambda d: core.block(None, c, None, width or d)(
+          lambda i, j, n, m: (i, n, core.qk_head(j, groups), col(m))),
+      keys=lambda d: core.block(None, c, None, width or d)(
+          lambda i, j, n, m: (i, n, j, col(m))),
+      g=lambda d: core.block(None, None, c, width or d)(
+          lambda i, j, n, m: (i, j, n, col(m))),
+      gate=core.block(None, None, c)(lambda i, j, n, m: (i, j, n)))
 
 
 def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
@@ -101,7 +288,7 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
   Args:
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]`` chunk-local cumulative log
     gate; cuts: ``[B, HV, T]`` int32 chunk-local cumulative cut count, or
-    None; heads: HV.
+    None; heads: HV; launch.block_k: key channels per inner product.
 
   Returns:
     ``(a [B, HV, T, C] float32 (float64 for float64 inputs), p
@@ -110,21 +297,24 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
     (causal) at its rows; 0 across a cut.
   """
   bsz, t_len, h, dk = k.shape
-  sp = _specs(chunk_size, heads // h)
-  per_chunk = (bsz, heads, t_len, chunk_size)
-  acc = core.accumulator(k.dtype)
+  c, blocks = chunk_size, chunk_size // SUB
+  sp = _chunk_rows(c, heads // h, None)
+  per_chunk = (bsz, heads, t_len, c)
+  rows = core.block(None, None, SUB, c)(
+      lambda i, j, n, m: (i, j, n * blocks + m, 0))
   return core.call(
-      _forward_kernel, grid=(bsz, heads, t_len // chunk_size),
+      _forward_kernel, grid=(bsz, heads, t_len // c, blocks),
       inputs=dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
                   g_ref=(g, sp["g"](dk)), cuts_ref=(cuts, sp["gate"])),
       outputs=dict(
-          a_ref=(jax.ShapeDtypeStruct(per_chunk, acc), sp["square"]),
-          p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), sp["square"])),
+          a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
+                 rows),
+          p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), rows)),
       launch=launch, interpret=interpret, name="deltajax_intra", scale=scale,
-      dot=dot)
+      dot=dot, block_k=launch.block_k or dk)
 
 
-def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, db, scale, chunk_size,
+def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
              launch, interpret, dot):
   """The scores' VJP, added to the other kernels' shares.
 
@@ -132,33 +322,37 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, db, scale, chunk_size,
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
     ``[B, HV, T]`` or None; d_p, d_m: ``[B, HV, T, C]`` float32, the
     cotangents of P and of ``M = diag(b) A``; dq, dk: ``[B, T, HV, K]``,
-    dg: g's shape, db: b's shape: the other shares (all in the accumulator
-    dtype: float32, float64 for float64 inputs).
+    dg: g's shape: the other shares (in the accumulator dtype: float32,
+    float64 for float64 inputs); launch.block_k: key channels per program.
 
   Returns:
     ``(dq, dk [B, T, HV, K]`` (in q's dtype without GVA, else float32 for the
-    sum over the group), ``da`` (g's shape: the cotangent of the gate's
-    increments; 0 is not forced at cuts), ``db [B, HV, T]``), in the
-    accumulator dtype.
+    sum over the group), ``da [B, T, HV, K]`` (the cotangent of the gate's
+    increments, in a's layout; 0 is not forced at cuts), ``db [B, HV, T]``
+    the scores' share of db), in the accumulator dtype.
   """
   bsz, t_len, h, d = q.shape
   heads = g.shape[1]
-  sp = _specs(chunk_size, heads // h)
+  width = min(d, launch.block_k or d)
+  sp = _chunk_rows(chunk_size, heads // h, width)
+  square = core.block(None, None, chunk_size, chunk_size)(
+      lambda i, j, n, m: (i, j, n, 0))
   acc = core.accumulator(q.dtype)
-  per_head = jax.ShapeDtypeStruct((bsz, t_len, heads, d),
-                                  q.dtype if heads == h else acc)
-  return core.call(
-      _backward_kernel, grid=(bsz, heads, t_len // chunk_size),
+  per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
+  dq, dk, da, db = core.call(
+      _backward_kernel, grid=(bsz, heads, t_len // chunk_size, d // width),
       inputs=dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
                   g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
-                  cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, sp["square"]),
-                  dm_ref=(d_m, sp["square"]), dq_in_ref=(dq, sp["keys"](d)),
-                  dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)),
-                  db_in_ref=(db, sp["gate"])),
+                  cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
+                  dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
+                  dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d))),
       outputs=dict(
-          dq_ref=(per_head, sp["keys"](d)), dk_ref=(per_head, sp["keys"](d)),
-          da_ref=(jax.ShapeDtypeStruct(g.shape, acc), sp["g"](d)),
-          db_ref=(jax.ShapeDtypeStruct(b.shape, acc), sp["gate"])),
-      aliases=dict(dg_in_ref="da_ref", db_in_ref="db_ref"),
+          dq_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
+          dk_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
+          da_ref=(per_head(acc), sp["keys"](d)),
+          db_ref=(jax.ShapeDtypeStruct((d // width, bsz, heads, t_len), acc),
+                  core.block(None, None, None, chunk_size)(
+                      lambda i, j, n, m: (m, i, j, n)))),
       launch=launch, interpret=interpret, name="deltajax_intra_backward",
       scale=scale, dot=dot)
+  return dq, dk, da, jnp.sum(db, axis=0)

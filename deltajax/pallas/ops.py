@@ -88,12 +88,13 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                  initial_state, cut, chunk_seq)
 
 
-def _gates(a, b, cut, chunk_size, dtype, k_dim):
+def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret):
   """``[B, T, HV, W]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
   the chunk-local cumulative gate, ``[B, HV, T]`` (W = 1) or
-  ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]`` and
-  the cumulative cut count (int32 ``[B, HV, T]``, or None; a cut is per
-  token). The gate of a cut token is irrelevant: it is taken as 0."""
+  ``[B, HV, T, k_dim]`` (W = K, padded channels 0;
+  :func:`intra.chunk_gates`), beta ``[B, HV, T]`` and the cumulative cut
+  count (int32 ``[B, HV, T]``, or None; a cut is per token). The gate of a
+  cut token is irrelevant: it is taken as 0."""
   bsz, t_len, heads, width = a.shape
   to_heads = lambda x: jnp.moveaxis(x, 1, 2)
   chunk_cumsum = lambda x: jnp.cumsum(
@@ -104,8 +105,12 @@ def _gates(a, b, cut, chunk_size, dtype, k_dim):
   if cut is not None:
     a = jnp.where(cut, 0, a)
     cuts = chunk_cumsum(to_heads(cut[..., 0]).astype(jnp.int32))
-  a = to_heads(a[..., 0] if width == 1 else common.pad_axis(a, 3, k_dim))
-  return chunk_cumsum(a), jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
+  if width == 1:
+    g = chunk_cumsum(to_heads(a[..., 0]))
+  else:
+    g = intra.chunk_gates(common.pad_axis(a, 3, k_dim), chunk_size=chunk_size,
+                          interpret=interpret)
+  return g, jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
 
 
 def _pad_state(s, k_dim, v_dim):
@@ -142,7 +147,8 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                         config.interpret)
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   heads = v.shape[2]
   if g.ndim == 4:
@@ -182,7 +188,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1])
+  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                         config.interpret)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
@@ -201,13 +208,13 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       dk_out=dk_or_dp if p is None else None,
       dg_out=dg_out, launch=config.ut_backward, **shared)
   if p is not None:
-    dq, dk, da, db = intra.backward(
+    dq, dk, da, db_scores = intra.backward(
         q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
-        dk=dk, dg=da, db=db, scale=scale, launch=config.intra_backward,
-        **shared)
+        dk=dk, dg=da, scale=scale, launch=config.intra_backward, **shared)
+    db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
-  da = jnp.moveaxis(da, 1, 2)
-  da = da[..., None] if a.shape[-1] == 1 else da[..., :n_k]
+  # da is in a's layout per channel (intra.backward), per head for W = 1.
+  da = jnp.moveaxis(da, 1, 2)[..., None] if p is None else da[..., :n_k]
   if cut is not None:
     da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))
