@@ -1,6 +1,6 @@
 """Times each Pallas kernel of impl="pallas" on its own, with launch variants.
 
-    python benchmarks/profile_kernels.py [--shape 4,4096,16,128]
+    python benchmarks/profile_kernels.py [--shape 4,4096,16,128] [--gate kda]
 
 Says where the time of the forward and backward goes and which block size,
 warp count and pipeline depth each kernel runs fastest with. GPU only.
@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.benchmark import make_inputs, median_ms
-from deltajax.pallas import core, ops, output, state, ut
+from deltajax.pallas import core, intra, ops, output, state, ut
 
 VARIANTS = {
     "inverse": [core.Launch(num_warps=w, num_stages=1) for w in (1, 2)],
+    "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
+              for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
     "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                      for bv, w, s in ((64, 4, 3), (64, 4, 2), (32, 4, 2))],
     "output": [core.Launch(block_v=bv, num_warps=4, num_stages=1)
@@ -28,33 +30,28 @@ VARIANTS = {
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
     "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1)
                       for w in (8, 4)],
-    "ut_backward": [core.Launch(block_v=bv, num_warps=4, num_stages=s)
-                    for bv, s in ((64, 2), (64, 1), (32, 2), (128, 1))],
+    "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
+                    for bv, w, s in ((64, 4, 2), (64, 4, 1), (32, 4, 2),
+                                     (128, 4, 1), (64, 8, 2), (32, 8, 1))],
+    "intra_backward": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
+                       for w, bk in ((4, 32), (4, 64), (2, 32), (4, 16),
+                                     (8, 64), (2, 16))],
 }
 
 
-def stage_inputs(shape, c=64):
-  """Each kernel as ``(fn(launch=..., **arrays), arrays)``, its inputs
-  computed once with the default launches (core.KernelConfig)."""
-  q, k, v, a, b, do = make_inputs(shape)
+def stage_inputs(shape, gate="gdn", c=64):
+  """Each kernel of ``gate`` as ``(fn(launch=..., **arrays), arrays)``, its
+  inputs computed once with the default launches (core.KernelConfig)."""
+  channel = gate == "kda"
+  q, k, v, a, b, do = make_inputs(shape, gate=gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
-  g, beta, _ = ops._gates(jnp.asarray(a)[..., None], jnp.asarray(b), None, c,
-                          jnp.float32, shape[3], False)
+  a = jnp.asarray(a) if channel else jnp.asarray(a)[..., None]
+  g, beta, _ = ops._gates(a, jnp.asarray(b), None, c, jnp.float32, shape[3],
+                          False)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.KernelConfig(interpret=False)
   fixed = lambda fn, **kw: functools.partial(
       fn, chunk_size=c, interpret=False, dot=config.dot, **kw)
-  arrays = {
-      "inverse": dict(k=k, g=g, b=beta, cuts=None, a=None),
-      "forward_scan": dict(k=k, v=v, g=g, b=beta, cuts=None, chunk_seq=None,
-                           initial_state=s0),
-      "output": dict(q=q, k=k, g=g, cuts=None, p=None),
-      "w_u": dict(k=k, v=v, g=g, b=beta, cuts=None),
-      "output_backward": dict(q=q, k=k, g=g, cuts=None, p=None, d_o=do),
-      "backward_scan": dict(q=q, k=k, g=g, cuts=None, chunk_seq=None,
-                            d_o=do, d_final=s0),
-      "ut_backward": dict(k=k, v=v, g=g, b=beta, cuts=None),
-  }
   calls = {
       "inverse": fixed(ut.inverse, heads=shape[2]),
       "forward_scan": fixed(state.forward_scan),
@@ -64,33 +61,54 @@ def stage_inputs(shape, c=64):
       "backward_scan": fixed(state.backward_scan, scale=0.1),
       "ut_backward": fixed(ut.ut_backward),
   }
-  run = lambda name: calls[name](launch=getattr(config, name),
-                                 **arrays[name])
-  t = run("inverse")
-  for name in ("forward_scan", "w_u", "ut_backward"):
-    arrays[name]["t"] = t
-  delta, states, _ = run("forward_scan")
-  w, u = run("w_u")
-  for name in ("output", "output_backward"):
-    arrays[name].update(states=states, delta=delta)
-  _, dg_out, dd_local, dk_out = run("output_backward")
-  arrays["backward_scan"].update(w=w, d_delta_local=dd_local)
-  d_delta, d_next, _ = run("backward_scan")
-  arrays["ut_backward"].update(w=w, u=u, states=states, d_next=d_next,
-                               delta=delta, d_delta=d_delta, dk_out=dk_out,
-                               dg_out=dg_out)
+  if channel:
+    calls["intra"] = fixed(intra.forward, heads=shape[2], scale=0.1)
+    calls["intra_backward"] = fixed(intra.backward, scale=0.1)
+  run = lambda name, **kw: calls[name](launch=getattr(config, name), **kw)
+  arrays = {"inverse": dict(k=k, g=g, b=beta, cuts=None, a=None)}
+  p = None
+  if channel:
+    arrays["intra"] = dict(q=q, k=k, g=g, cuts=None)
+    a_kk, p = run("intra", **arrays["intra"])
+    arrays["inverse"].update(g=None, a=a_kk)
+  t = run("inverse", **arrays["inverse"])
+  arrays["forward_scan"] = dict(k=k, v=v, g=g, b=beta, cuts=None,
+                                chunk_seq=None, initial_state=s0, t=t)
+  delta, states, _ = run("forward_scan", **arrays["forward_scan"])
+  arrays["output"] = dict(q=q, k=k, g=g, cuts=None, p=p, states=states,
+                          delta=delta)
+  arrays["w_u"] = dict(k=k, v=v, g=g, b=beta, cuts=None, t=t)
+  w, u = run("w_u", **arrays["w_u"])
+  arrays["output_backward"] = dict(q=q, k=k, g=g, cuts=None, p=p, d_o=do,
+                                   states=states, delta=delta)
+  dq, dg_out, dd_local, dk_or_dp = run("output_backward",
+                                       **arrays["output_backward"])
+  arrays["backward_scan"] = dict(q=q, k=k, g=g, cuts=None, chunk_seq=None,
+                                 d_o=do, d_final=s0, w=w,
+                                 d_delta_local=dd_local)
+  d_delta, d_next, _ = run("backward_scan", **arrays["backward_scan"])
+  arrays["ut_backward"] = dict(
+      k=k, v=v, g=g, b=beta, cuts=None, t=t, w=w, u=u, states=states,
+      d_next=d_next, delta=delta, d_delta=d_delta, dg_out=dg_out,
+      dk_out=None if channel else dk_or_dp)
+  if channel:
+    dk, _, _, dg, dm = run("ut_backward", **arrays["ut_backward"])
+    arrays["intra_backward"] = dict(q=q, k=k, g=g, b=beta, cuts=None,
+                                    d_p=dk_or_dp, d_m=dm, dq=dq, dk=dk,
+                                    dg=dg)
   return {name: (calls[name], arrays[name]) for name in calls}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="4,4096,16,128")
+  parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--once", action="store_true",
                       help="run each kernel once with its default launch "
                       "(for a profiler such as ncu)")
   args = parser.parse_args()
   shape = tuple(int(x) for x in args.shape.split(","))
-  calls = stage_inputs(shape)
+  calls = stage_inputs(shape, args.gate)
   if args.once:
     config = core.KernelConfig(interpret=False)
     for name, (fn, arrays) in calls.items():
@@ -99,7 +117,7 @@ def main():
     return
   print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():
-    for opts in variants:
+    for opts in variants if name in calls else ():
       # Jitted with the arrays as arguments: an eager pallas_call is traced
       # and compiled again at every call.
       fn, arrays = calls[name]
