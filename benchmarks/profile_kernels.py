@@ -30,12 +30,14 @@ VARIANTS = {
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
     "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1)
                       for w in (8, 4)],
-    "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
-                    for bv, w, s in ((64, 4, 2), (64, 4, 1), (32, 4, 2),
-                                     (128, 4, 1), (64, 8, 2), (32, 8, 1))],
+    "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
+                                block_k=bk)
+                    for bv, w, s, bk in ((64, 4, 2, 64), (64, 4, 2, 32),
+                                         (128, 4, 1, 64), (64, 8, 2, 64),
+                                         (64, 4, 2, 128), (64, 4, 1, 32))],
     "intra_backward": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
-                       for w, bk in ((4, 32), (4, 64), (2, 32), (4, 16),
-                                     (8, 64), (2, 16))],
+                       for w, bk in ((4, 32), (4, 64), (2, 32), (8, 64),
+                                     (4, 128), (8, 128))],
 }
 
 
@@ -103,6 +105,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="4,4096,16,128")
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+  parser.add_argument("--kernels", default=",".join(VARIANTS),
+                      help="comma-separated kernels to time")
   parser.add_argument("--once", action="store_true",
                       help="run each kernel once with its default launch "
                       "(for a profiler such as ncu)")
@@ -117,7 +121,8 @@ def main():
     return
   print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():
-    for opts in variants if name in calls else ():
+    timed = name in calls and name in args.kernels.split(",")
+    for opts in variants if timed else ():
       # Jitted with the arrays as arguments: an eager pallas_call is traced
       # and compiled again at every call.
       fn, arrays = calls[name]

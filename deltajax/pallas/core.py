@@ -55,7 +55,8 @@ class KernelConfig:
   w_u: Launch = Launch(num_warps=4, num_stages=1)
   output_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
-  ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64)
+  ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64,
+                               block_k=64)
   intra_backward: Launch = Launch(num_warps=4, num_stages=1, block_k=32)
   step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
   interpret: bool | None = None

@@ -62,6 +62,23 @@ def _is_gentle(g_ref, start, ks=slice(None)):
   return jnp.max(fall) <= SPAN
 
 
+def _row_reference(g_ref, start, gentle, ks=slice(None)):
+  """``(r [1, k], limit)`` for row block I at ``start``: the gate in the
+  middle of block I where ``gentle``, else the gate before it (0 before the
+  chunk); the y rows factored through r are ``j < limit``."""
+  token = jnp.where(gentle, start + SUB // 2, start - 1)
+  r = jnp.where(token >= 0, _row(g_ref, jnp.maximum(token, 0), ks), 0)
+  return r, start + SUB * gentle.astype(jnp.int32)
+
+
+def _column_reference(g_ref, start, gentle, ks=slice(None)):
+  """``(r [1, k], first)`` for column block I at ``start``: the gate in the
+  middle of block I where ``gentle``, else the gate at its end; the x rows
+  factored through r are ``i >= first``."""
+  r = _row(g_ref, jnp.where(gentle, start + SUB // 2, start + SUB - 1), ks)
+  return r, start + SUB * (1 - gentle.astype(jnp.int32))
+
+
 def _mm(dot, dtype):
   """Products of float32 factors: one TF32 pass for 16-bit inputs (whose own
   rounding is coarser), the configured precision otherwise."""
@@ -126,19 +143,17 @@ def chunk_gates(a, *, chunk_size, interpret):
 
 def _forward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref, scale,
                     dot, block_k):
-  """Rows ``16 I .. 16 I + 15`` (I the last grid index) of one chunk's P and
+  """Rows ``16 I .. 16 I + 15`` (I the first grid index) of one chunk's P and
   A, ``[16, C]`` each."""
   c, d = k_ref.shape
-  start = pl.program_id(3) * SUB
+  start = pl.program_id(0) * SUB
   rows = pl.ds(start, SUB)
   mm = _mm(dot, k_ref.dtype)
   token = core.iota((c, 1), 0)
   gentle = _is_gentle(g_ref, start)
-  ref = jnp.where(gentle, start + SUB // 2, start - 1)
-  limit = jnp.where(gentle, start + SUB, start)  # the y rows factored
   qk = kk = 0
   for ks in core.blocks(d, block_k):
-    r = jnp.where(ref >= 0, _row(g_ref, jnp.maximum(ref, 0), ks), 0)
+    r, limit = _row_reference(g_ref, start, gentle, ks)
     g_i = g_ref[rows, ks].astype(r.dtype)
     left = jnp.exp(g_i - r)
     right = k_ref[:, ks].astype(r.dtype) * core.masked_exp(
@@ -173,12 +188,7 @@ def _row_side(*, start, gentle, g_ref, k_ref, d_rows, mm):
   where ``gentle``."""
   c = k_ref.shape[0]
   acc = _acc(g_ref)
-  if start:
-    r = jnp.where(gentle, _row(g_ref, start + SUB // 2),
-                  _row(g_ref, start - 1))
-  else:
-    r = jnp.where(gentle, _row(g_ref, SUB // 2), 0)
-  limit = start + SUB * gentle.astype(jnp.int32)  # the y rows factored
+  r, limit = _row_reference(g_ref, start, gentle)
   left = jnp.exp(g_ref[pl.ds(start, SUB), :].astype(acc) - r)
   right = k_ref[...].astype(acc) * core.masked_exp(
       r - g_ref[...].astype(acc), core.iota((c, 1), 0) < limit)
@@ -191,9 +201,7 @@ def _column_side(*, start, gentle, g_ref, xs, d_cols, mm):
   only where ``gentle``."""
   c = g_ref.shape[0]
   acc = _acc(g_ref)
-  r = jnp.where(gentle, _row(g_ref, start + SUB // 2),
-                _row(g_ref, start + SUB - 1))
-  first = start + SUB * (1 - gentle.astype(jnp.int32))  # x rows factored
+  r, first = _column_reference(g_ref, start, gentle)
   down = core.masked_exp(g_ref[...].astype(acc) - r,
                          core.iota((c, 1), 0) >= first)
   up = jnp.exp(r - g_ref[pl.ds(start, SUB), :].astype(acc))
@@ -227,58 +235,62 @@ def _backward_kernel(*, q_ref, k_ref, g_ref, b_ref, cuts_ref, dp_ref, dm_ref,
   of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = k . u`` (``sum_j
   dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + k (b u - dy))``.
   """
-  c = k_ref.shape[0]
+  c, width = k_ref.shape
   acc = _acc(g_ref)
   mm = _mm(dot, k_ref.dtype)
   beta = b_ref[...].astype(acc)[:, None]
   xs = [scale * q_ref[...].astype(acc), beta * k_ref[...].astype(acc)]
-  later = 0  # the gate's cotangent summed over the blocks after this one
-  for start in reversed(range(0, c, SUB)):
+
+  def block(i, later):
+    """Block I = n - 1 - i; ``later``: the gate's cotangent summed over the
+    blocks after it."""
+    start = (c // SUB - 1 - i) * SUB
     rows = pl.ds(start, SUB)
     gentle = _is_gentle(g_ref, start)
     at = dict(start=start, gentle=gentle, g_ref=g_ref)
-    row_at, col_at = ((start, SUB), (0, c)), ((0, c), (start, SUB))
-    d_rows = [jnp.where(_pairs(*row_at, cuts_ref, strict=s), ref[rows, :], 0)
-              for ref, s in ((dp_ref, False), (dm_ref, True))]
-    d_cols = [jnp.where(_pairs(*col_at, cuts_ref, strict=s), ref[:, rows], 0)
-              for ref, s in ((dp_ref, False), (dm_ref, True))]
+    masked = lambda rows_at, cols_at, at: [
+        jnp.where(_pairs(rows_at, cols_at, cuts_ref, strict=s), ref[at], 0)
+        for ref, s in ((dp_ref, False), (dm_ref, True))]
+    d_rows = masked((start, SUB), (0, c), (rows, slice(None)))
+    d_cols = masked((0, c), (start, SUB), (slice(None), rows))
     grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
              _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
-    tiles = [jnp.where(_pairs((start, SUB), (start, SUB), cuts_ref,
-                              strict=s), ref[rows, rows], 0)
-             for ref, s in ((dp_ref, False), (dm_ref, True))]
-    block_xs = [scale * q_ref[rows, :].astype(acc),
-                b_ref[rows].astype(acc)[:, None] * k_ref[rows, :].astype(acc)]
+    q, k = q_ref[rows, :].astype(acc), k_ref[rows, :].astype(acc)
+    beta_i = b_ref[rows].astype(acc)[:, None]
     (dq_p, u), dy = lax.cond(
         gentle, lambda grads: grads,
-        lambda grads: _diagonal_vjp(start=start, g_ref=g_ref, k_ref=k_ref,
-                                    xs=block_xs, d_tiles=tiles, grads=grads),
+        lambda grads: _diagonal_vjp(
+            start=start, g_ref=g_ref, k_ref=k_ref, xs=[scale * q, beta_i * k],
+            d_tiles=masked((start, SUB), (start, SUB), (rows, rows)),
+            grads=grads),
         grads)
     dq_p = scale * dq_p
-    q, k = q_ref[rows, :].astype(acc), k_ref[rows, :].astype(acc)
-    dk_a = b_ref[rows].astype(acc)[:, None] * u
+    dk_a = beta_i * u
     dq_ref[rows, :] = (dq_in_ref[rows, :] + dq_p).astype(dq_ref.dtype)
     dk_ref[rows, :] = (dk_in_ref[rows, :] + dk_a + dy).astype(dk_ref.dtype)
     db_ref[rows] = jnp.sum(k * u, axis=1)
     dg = dg_in_ref[rows, :] + q * dq_p + k * (dk_a - dy)
     da_ref[rows, :] = core.reverse_cumsum(dg, dot) + later
-    later += jnp.sum(dg, axis=0)[None, :]
+    return later + jnp.sum(dg, axis=0)[None, :]
+  lax.fori_loop(0, c // SUB, block, jnp.zeros((1, width), acc))
 
 
 def _chunk_rows(chunk_size, groups, width):
-  """BlockSpec makers for grid ``(B, HV, N, m)``: one chunk's q/k rows
+  """BlockSpec makers for grid ``(m, B, HV, N)``: one chunk's q/k rows
   (head ``j // G``) or per-value-head rows, ``width`` channels at block m
-  (all for ``width=None``)."""
+  (all for ``width=None``). The grid's first index runs fastest (Pallas'
+  Triton launch grid): the programs of one chunk run side by side and share
+  its reads in L2."""
   c = chunk_size
   col = lambda m: 0 if width is None else m
   return dict(
       qk=lambda d: core.block(None, c, None, width or d)(
-          lambda i, j, n, m: (i, n, core.qk_head(j, groups), col(m))),
+          lambda m, i, j, n: (i, n, core.qk_head(j, groups), col(m))),
       keys=lambda d: core.block(None, c, None, width or d)(
-          lambda i, j, n, m: (i, n, j, col(m))),
+          lambda m, i, j, n: (i, n, j, col(m))),
       g=lambda d: core.block(None, None, c, width or d)(
-          lambda i, j, n, m: (i, j, n, col(m))),
-      gate=core.block(None, None, c)(lambda i, j, n, m: (i, j, n)))
+          lambda m, i, j, n: (i, j, n, col(m))),
+      gate=core.block(None, None, c)(lambda m, i, j, n: (i, j, n)))
 
 
 def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
@@ -301,9 +313,9 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
   sp = _chunk_rows(c, heads // h, None)
   per_chunk = (bsz, heads, t_len, c)
   rows = core.block(None, None, SUB, c)(
-      lambda i, j, n, m: (i, j, n * blocks + m, 0))
+      lambda m, i, j, n: (i, j, n * blocks + m, 0))
   return core.call(
-      _forward_kernel, grid=(bsz, heads, t_len // c, blocks),
+      _forward_kernel, grid=(blocks, bsz, heads, t_len // c),
       inputs=dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
                   g_ref=(g, sp["g"](dk)), cuts_ref=(cuts, sp["gate"])),
       outputs=dict(
@@ -336,11 +348,11 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
   width = min(d, launch.block_k or d)
   sp = _chunk_rows(chunk_size, heads // h, width)
   square = core.block(None, None, chunk_size, chunk_size)(
-      lambda i, j, n, m: (i, j, n, 0))
+      lambda m, i, j, n: (i, j, n, 0))
   acc = core.accumulator(q.dtype)
   per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
   dq, dk, da, db = core.call(
-      _backward_kernel, grid=(bsz, heads, t_len // chunk_size, d // width),
+      _backward_kernel, grid=(d // width, bsz, heads, t_len // chunk_size),
       inputs=dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
                   g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
                   cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
@@ -352,7 +364,7 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
           da_ref=(per_head(acc), sp["keys"](d)),
           db_ref=(jax.ShapeDtypeStruct((d // width, bsz, heads, t_len), acc),
                   core.block(None, None, None, chunk_size)(
-                      lambda i, j, n, m: (m, i, j, n)))),
+                      lambda m, i, j, n: (m, i, j, n)))),
       launch=launch, interpret=interpret, name="deltajax_intra_backward",
       scale=scale, dot=dot)
   return dq, dk, da, jnp.sum(db, axis=0)

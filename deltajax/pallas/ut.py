@@ -207,67 +207,85 @@ def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
 def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
                         u_ref, s_ref, dnext_ref, delta_ref, dd_ref,
                         dk_out_ref, dg_out_ref, dk_ref, dv_ref, db_ref,
-                        da_ref, block_v, dot, dm_ref=None):
+                        da_ref, block_v, block_k, dot, dm_ref=None):
   """One chunk of the backward through ``Delta = U - W S``, the chunk-end
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
   adding the output's shares ``dk_out``, ``dg_out``. The gate cotangent is
-  per token (``[C]``) or per channel (``[C, K]``), as the gate."""
-  k = k_ref[...]
-  dtype, acc = k.dtype, core.accumulator(k.dtype)
-  c = k.shape[0]
-  g, beta = g_ref[...].astype(acc), b_ref[...].astype(acc)
+  per token (``[C]``) or per channel (``[C, K]``), as the gate.
+
+  Everything but ``dM`` (a sum over the keys) is per key channel: the work
+  goes by blocks of ``block_k`` channels, so that few ``[C, K]`` float32
+  values are live at once (register pressure)."""
+  dtype = k_ref.dtype
+  acc = core.accumulator(dtype)
+  c = k_ref.shape[0]
+  channel = len(g_ref.shape) == 2
+  beta = b_ref[...].astype(acc)
   cuts = None if cuts_ref is None else cuts_ref[...]
   cuts_end = None if cuts is None else core.last(cuts)
   v_blocks = core.blocks(v_ref.shape[1], block_v)
-  # Chunk-end decays, S' = e^{g_C} S + (K e^{g_C - g})^T Delta, and
-  # Delta = U - W S: the sums over V.
-  d_k_end, d_s_sum, d_w = 0, 0, 0
-  for vs in v_blocks:
-    s, d_next = s_ref[:, vs], dnext_ref[:, vs]
-    d_k_end += dot(delta_ref[:, vs].astype(dtype), d_next.astype(dtype),
-                   trans_b=True)
-    d_s_sum += core.gate_total(d_next * s, g, keys_axis=0)
-    d_w -= dot(dd_ref[:, vs].astype(dtype), s.astype(dtype), trans_b=True)
-  # Each cotangent piece is folded into dk, dg, db as soon as it is known,
-  # so few [C, K] float32 tiles are live at once (register pressure).
-  g_end = core.last(g)
-  to_end = core.on_keys(core.to_end(g, g_end, cuts, cuts_end))
-  k_acc = k.astype(acc)
-  k_end = k_acc * to_end
-  dk = d_k_end * to_end
-  if dk_out_ref is not None:
-    dk += dk_out_ref[...]
-  dg = dg_out_ref[...] - core.key_sum(k_end * d_k_end, g)
-  d_g_end = (core.gate_total(k_end * d_k_end, g, keys_axis=1)
-             + core.over_chunk(g_end, cuts_end) * d_s_sum)
-  # [W | U] = T diag(b) [K e^g | V]: d[W | U] -> dX = T^T d[W | U], dM.
   t = t_ref[...].astype(dtype)
-  d_xk = dot(t, d_w.astype(dtype), trans_a=True)
-  d_m = -dot(d_xk.astype(dtype), w_ref[...], trans_b=True)
-  eg = core.from_start(g, cuts)
-  d_xk_kg = d_xk * k_acc * core.on_keys(eg)
-  db = jnp.sum(d_xk_kg, axis=1)
-  dg += (beta[:, None] * d_xk_kg if core.per_channel(g) else beta * db)
-  dk += core.on_keys(eg, beta) * d_xk
+  # [W | U] = T diag(b) [K e^g | V]: d[W | U] -> dX = T^T d[W | U], dM; the
+  # V side first.
+  db, d_m = 0, 0
   for vs in v_blocks:
     d_xv = dot(t, dd_ref[:, vs].astype(dtype), trans_a=True)
     dv_ref[:, vs] = (beta[:, None] * d_xv).astype(dv_ref.dtype)
     db += jnp.sum(d_xv * v_ref[:, vs], axis=1)
     d_m -= dot(d_xv.astype(dtype), u_ref[:, vs], trans_b=True)
-  dg += jnp.where(core.iota(dg.shape, 0) == c - 1, d_g_end, 0)
-  if dm_ref is not None:  # per channel: the scores' share is intra.backward's
+  last_row = core.iota((c, 1), 0) == c - 1
+  dg, dks = 0, []
+  for ks in core.blocks(k_ref.shape[1], block_k):
+    g = (g_ref[:, ks] if channel else g_ref[...]).astype(acc)
+    # Chunk-end decays, S' = e^{g_C} S + (K e^{g_C - g})^T Delta, and
+    # Delta = U - W S: the sums over V.
+    d_k_end, d_s_sum, d_w = 0, 0, 0
+    for vs in v_blocks:
+      s, d_next = s_ref[ks, vs], dnext_ref[ks, vs]
+      d_k_end += dot(delta_ref[:, vs].astype(dtype), d_next.astype(dtype),
+                     trans_b=True)
+      d_s_sum += core.gate_total(d_next * s, g, keys_axis=0)
+      d_w -= dot(dd_ref[:, vs].astype(dtype), s.astype(dtype), trans_b=True)
+    g_end = core.last(g)
+    to_end = core.on_keys(core.to_end(g, g_end, cuts, cuts_end))
+    k = k_ref[:, ks].astype(acc)
+    k_end = k * to_end
+    dk = d_k_end * to_end
+    if dk_out_ref is not None:
+      dk += dk_out_ref[:, ks]
+    dg_k = -core.key_sum(k_end * d_k_end, g)
+    d_g_end = (core.gate_total(k_end * d_k_end, g, keys_axis=1)
+               + core.over_chunk(g_end, cuts_end) * d_s_sum)
+    d_xk = dot(t, d_w.astype(dtype), trans_a=True)
+    d_m -= dot(d_xk.astype(dtype), w_ref[:, ks], trans_b=True)
+    eg = core.from_start(g, cuts)
+    d_xk_kg = d_xk * k * core.on_keys(eg)
+    db += jnp.sum(d_xk_kg, axis=1)
+    dg_k += beta[:, None] * d_xk_kg if channel else beta * jnp.sum(
+        d_xk_kg, axis=1)
+    dk += core.on_keys(eg, beta) * d_xk
+    if channel:  # the scores' shares are intra.backward's
+      da_ref[:, ks] = (dg_out_ref[:, ks] + dg_k
+                       + jnp.where(last_row, d_g_end[None, :], 0))
+      dk_ref[:, ks] = dk.astype(dk_ref.dtype)
+    else:
+      dg += dg_k + jnp.where(last_row[:, 0], d_g_end, 0)
+      dks.append((ks, dk))
+  if channel:
     dm_ref[...] = d_m
     db_ref[...] = db
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    da_ref[...] = dg
     return
   # M = diag(b) A, A the strictly lower decayed K K^T: dA = diag(b) dM.
-  kk = scores.scores(x=k, y=k, g=g, cuts=cuts, strict=True, dot=dot)
+  g = g_ref[...].astype(acc)
+  kk = scores.scores(x=k_ref[...], y=k_ref[...], g=g, cuts=cuts, strict=True,
+                     dot=dot)
   db_ref[...] = db + jnp.sum(d_m * kk.matrix, axis=1)
-  d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k)
-  dk_ref[...] = (dk + d_k1 + d_k2).astype(dk_ref.dtype)
+  for ks, dk in dks:
+    k = k_ref[:, ks]
+    d_k1, d_k2, d_g_kk = kk.vjp(beta[:, None] * d_m, k, k)
+    dk_ref[:, ks] = (dk + d_k1 + d_k2).astype(dk_ref.dtype)
   # g is the cumulative sum of a within the chunk: da is the reverse cumsum.
-  da_ref[...] = core.reverse_cumsum(dg + d_g_kk, dot)
+  da_ref[...] = core.reverse_cumsum(dg_out_ref[...] + dg + d_g_kk, dot)
 
 
 def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
@@ -317,4 +335,4 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
           db_ref=(jax.ShapeDtypeStruct(b.shape, acc), gate),
           da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gates), **channel),
       launch=launch, interpret=interpret, name="deltajax_ut_backward",
-      block_v=launch.block_v, dot=dot)
+      block_v=launch.block_v, block_k=launch.block_k or dk, dot=dot)
