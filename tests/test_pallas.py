@@ -357,16 +357,18 @@ def test_pallas_kda_strong_gates_are_stable():
         name, utils.relative_rms_error(g, r))
 
 
+@pytest.mark.parametrize("over", [15, 31])
 @pytest.mark.parametrize("fall", [0.99, 1.01])
-def test_pallas_kda_at_the_factoring_bound(fall):
+def test_pallas_kda_at_the_factoring_bound(fall, over):
   """Channels whose gate falls by just under (fast path: factors near
-  ``e^SPAN``) or just over (exact path) ``intra.SPAN`` over every 16-token
-  block, float32 against float64: the factoring through the block's middle
-  keeps float32 precision at its bound."""
+  ``e^SPAN``) or just over (the next path) ``intra.SPAN`` over every 16-token
+  block (``over=15`` steps) or every 32-token chunk (``over=31``: one
+  reference for the chunk, or block by block), float32 against float64: the
+  factoring keeps float32 precision at its bounds."""
   x = utils.random_inputs(4, batch=1, length=64, heads=1, key_dim=16,
                           value_dim=16, per_channel=True)
   a = np.array(x.a)
-  a[..., :4] = -fall * intra.SPAN / 15  # per token; 15 steps in a block
+  a[..., :4] = -fall * intra.SPAN / over  # per token
   x = x._replace(a=a)
   cts = utils.random_cotangents(4, x)
   got, got_grads = _value_and_grads(

@@ -56,9 +56,10 @@ def _row(ref, t, ks=slice(None)):
   return ref[pl.ds(t, 1), ks].astype(core.accumulator(ref.dtype))
 
 
-def _is_gentle(g_ref, start, ks=slice(None)):
-  """Whether the gate falls by at most SPAN over the block at ``start``."""
-  fall = _row(g_ref, start, ks) - _row(g_ref, start + SUB - 1, ks)
+def _is_gentle(g_ref, start, ks=slice(None), span=SUB):
+  """Whether the gate falls by at most SPAN over the ``span`` tokens from
+  ``start``."""
+  fall = _row(g_ref, start, ks) - _row(g_ref, start + span - 1, ks)
   return jnp.max(fall) <= SPAN
 
 
@@ -225,54 +226,111 @@ def _diagonal_vjp(*, start, g_ref, k_ref, xs, d_tiles, grads):
   return _diagonal_columns(g_ref, k_ref, start, slice(None), step, grads)
 
 
-def _backward_kernel(*, q_ref, k_ref, g_ref, b_ref, cuts_ref, dp_ref, dm_ref,
-                     dq_in_ref, dk_in_ref, dg_in_ref, dq_ref, dk_ref, da_ref,
-                     db_ref, scale, dot):
-  """One chunk, the key channels of one block (q, k, g and the dq, dk, dg
-  refs ``[C, k]``); db's share of these channels.
+def _is_gentle_chunk(g_ref):
+  """Whether the gate falls by at most SPAN over the chunk, every channel."""
+  return _is_gentle(g_ref, 0, span=g_ref.shape[0])
 
-  ``dq = dq_in + P's row side``, ``dk = dk_in + b u + dy`` (u: A's row side
-  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = k . u`` (``sum_j
-  dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + k (b u - dy))``.
-  """
+
+def _finish(refs, rows, dq_p, u, dy, later, dot):
+  """Stores ``rows``' dq, dk, db and da from P's row side ``dq_p``, A's row
+  side ``u`` and the column sides ``dy``; ``later``: the gate's cotangent
+  summed over the rows after these. Returns it summed over ``rows`` too."""
+  acc = dq_p.dtype
+  q, k = (refs[x][rows, :].astype(acc) for x in ("q", "k"))
+  dk_a = refs["b"][rows].astype(acc)[:, None] * u
+  refs["dq"][rows, :] = (refs["dq_in"][rows, :] + dq_p).astype(
+      refs["dq"].dtype)
+  refs["dk"][rows, :] = (refs["dk_in"][rows, :] + dk_a + dy).astype(
+      refs["dk"].dtype)
+  refs["db"][rows] = jnp.sum(k * u, axis=1)
+  dg = refs["dg_in"][rows, :] + q * dq_p + k * (dk_a - dy)
+  refs["da"][rows, :] = core.reverse_cumsum(dg, dot) + later
+  return later + jnp.sum(dg, axis=0)[None, :]
+
+
+def _masked_cotangents(refs, rows, cols, at):
+  """dP and dM at ``at`` (a ref index), masked to their pairs; rows and cols:
+  ``(start, size)`` of the tokens there."""
+  return [jnp.where(_pairs(rows, cols, refs["cuts"], strict=s), refs[x][at],
+                    0) for x, s in (("dp", False), ("dm", True))]
+
+
+def _backward_whole_chunk(refs, *, scale, dot):
+  """The chunk's VJP through one reference, the midpoint ``r`` of the
+  gate's range (every factor at most ``e^{SPAN / 2}``): ``dq_P = scale (dP
+  (K e^{r - g})) e^{g - r}``, ``u = (dM (K e^{r - g})) e^{g - r}``, ``dy =
+  (dP^T (scale Q e^{g - r}) + dM^T (diag(b) K e^{g - r})) e^{r - g}``."""
+  g_ref = refs["g"]
+  c = g_ref.shape[0]
+  acc = _acc(g_ref)
+  mm = _mm(dot, refs["k"].dtype)
+  g = g_ref[...].astype(acc)
+  r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
+  up, down = jnp.exp(g - r), jnp.exp(r - g)
+  q, k = (refs[x][...].astype(acc) for x in ("q", "k"))
+  beta = refs["b"][...].astype(acc)[:, None]
+  d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2)
+  k_down = k * down
+  dq_p = scale * mm(d_p, k_down) * up
+  u = mm(d_m, k_down) * up
+  dy = (mm(d_p, scale * q * up, trans_a=True)
+        + mm(d_m, beta * k * up, trans_a=True)) * down
+  _finish(refs, pl.ds(0, c), dq_p, u, dy, 0, dot)
+
+
+def _backward_by_blocks(refs, *, scale, dot):
+  """The chunk's VJP block by block (last first), each through the
+  references of :func:`_row_reference` and :func:`_column_reference`, the
+  diagonal tile exactly where the block's gate is not gentle."""
+  g_ref, k_ref = refs["g"], refs["k"]
   c, width = k_ref.shape
   acc = _acc(g_ref)
   mm = _mm(dot, k_ref.dtype)
-  beta = b_ref[...].astype(acc)[:, None]
-  xs = [scale * q_ref[...].astype(acc), beta * k_ref[...].astype(acc)]
+  beta = refs["b"][...].astype(acc)[:, None]
+  xs = [scale * refs["q"][...].astype(acc), beta * k_ref[...].astype(acc)]
 
   def block(i, later):
-    """Block I = n - 1 - i; ``later``: the gate's cotangent summed over the
-    blocks after it."""
     start = (c // SUB - 1 - i) * SUB
     rows = pl.ds(start, SUB)
     gentle = _is_gentle(g_ref, start)
     at = dict(start=start, gentle=gentle, g_ref=g_ref)
-    masked = lambda rows_at, cols_at, at: [
-        jnp.where(_pairs(rows_at, cols_at, cuts_ref, strict=s), ref[at], 0)
-        for ref, s in ((dp_ref, False), (dm_ref, True))]
-    d_rows = masked((start, SUB), (0, c), (rows, slice(None)))
-    d_cols = masked((0, c), (start, SUB), (slice(None), rows))
+    d_rows = _masked_cotangents(refs, (start, SUB), (0, c),
+                                (rows, slice(None)))
+    d_cols = _masked_cotangents(refs, (0, c), (start, SUB),
+                                (slice(None), rows))
     grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
              _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
-    q, k = q_ref[rows, :].astype(acc), k_ref[rows, :].astype(acc)
-    beta_i = b_ref[rows].astype(acc)[:, None]
+    q, k = refs["q"][rows, :].astype(acc), k_ref[rows, :].astype(acc)
+    beta_i = refs["b"][rows].astype(acc)[:, None]
     (dq_p, u), dy = lax.cond(
         gentle, lambda grads: grads,
         lambda grads: _diagonal_vjp(
             start=start, g_ref=g_ref, k_ref=k_ref, xs=[scale * q, beta_i * k],
-            d_tiles=masked((start, SUB), (start, SUB), (rows, rows)),
+            d_tiles=_masked_cotangents(refs, (start, SUB), (start, SUB),
+                                       (rows, rows)),
             grads=grads),
         grads)
-    dq_p = scale * dq_p
-    dk_a = beta_i * u
-    dq_ref[rows, :] = (dq_in_ref[rows, :] + dq_p).astype(dq_ref.dtype)
-    dk_ref[rows, :] = (dk_in_ref[rows, :] + dk_a + dy).astype(dk_ref.dtype)
-    db_ref[rows] = jnp.sum(k * u, axis=1)
-    dg = dg_in_ref[rows, :] + q * dq_p + k * (dk_a - dy)
-    da_ref[rows, :] = core.reverse_cumsum(dg, dot) + later
-    return later + jnp.sum(dg, axis=0)[None, :]
+    return _finish(refs, rows, scale * dq_p, u, dy, later, dot)
   lax.fori_loop(0, c // SUB, block, jnp.zeros((1, width), acc))
+
+
+def _backward_kernel(*, whole_chunk, scale, dot, **refs):
+  """One chunk, the key channels of one block (q, k, g and the dq, dk, dg
+  refs ``[C, k]``), where the chunk's gate is gentle (``whole_chunk``) or
+  where it is not; db's share of these channels.
+
+  ``dq = dq_in + P's row side``, ``dk = dk_in + b u + dy`` (u: A's row side
+  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = k . u`` (``sum_j
+  dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + k (b u - dy))``.
+  The refs are named without ``_ref``; ``*_done`` (the whole-chunk pass's
+  outputs, aliased to this pass's) are not read.
+  """
+  refs = {name[:-len("_ref")]: ref for name, ref in refs.items()}
+  gentle = _is_gentle_chunk(refs["g"])
+  if whole_chunk:
+    pl.when(gentle)(lambda: _backward_whole_chunk(refs, scale=scale, dot=dot))
+  else:
+    pl.when(~gentle)(lambda: _backward_by_blocks(refs, scale=scale, dot=dot))
 
 
 def _chunk_rows(chunk_size, groups, width):
@@ -351,20 +409,30 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
       lambda m, i, j, n: (i, j, n, 0))
   acc = core.accumulator(q.dtype)
   per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
-  dq, dk, da, db = core.call(
-      _backward_kernel, grid=(d // width, bsz, heads, t_len // chunk_size),
-      inputs=dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
-                  g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
-                  cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
-                  dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
-                  dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d))),
-      outputs=dict(
-          dq_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
-          dk_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
-          da_ref=(per_head(acc), sp["keys"](d)),
-          db_ref=(jax.ShapeDtypeStruct((d // width, bsz, heads, t_len), acc),
-                  core.block(None, None, None, chunk_size)(
-                      lambda m, i, j, n: (m, i, j, n)))),
-      launch=launch, interpret=interpret, name="deltajax_intra_backward",
-      scale=scale, dot=dot)
+  inputs = dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
+                g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
+                cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
+                dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
+                dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)))
+  outputs = dict(
+      dq_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
+      dk_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
+      da_ref=(per_head(acc), sp["keys"](d)),
+      db_ref=(jax.ShapeDtypeStruct((d // width, bsz, heads, t_len), acc),
+              core.block(None, None, None, chunk_size)(
+                  lambda m, i, j, n: (m, i, j, n))))
+  grid = (d // width, bsz, heads, t_len // chunk_size)
+  run = lambda whole_chunk, inputs, **kw: core.call(
+      _backward_kernel, grid=grid, inputs=inputs, outputs=outputs,
+      launch=launch, interpret=interpret, scale=scale, dot=dot,
+      whole_chunk=whole_chunk, **kw)
+  done = run(True, inputs, name="deltajax_intra_backward")
+  # The chunks whose gate is not gentle, written into the first pass's
+  # outputs.
+  names = [n[:-len("_ref")] for n in outputs]
+  dq, dk, da, db = run(
+      False, {**inputs, **{f"{n}_done_ref": (x, outputs[f"{n}_ref"][1])
+                           for n, x in zip(names, done)}},
+      aliases={f"{n}_done_ref": f"{n}_ref" for n in names},
+      name="deltajax_intra_backward_blocks")
   return dq, dk, da, jnp.sum(db, axis=0)
