@@ -66,7 +66,10 @@ def stage_inputs(shape, gate="gdn", c=64):
   if channel:
     calls["intra"] = fixed(intra.forward, heads=shape[2], scale=0.1)
     calls["intra_backward"] = fixed(intra.backward, scale=0.1)
-  run = lambda name, **kw: calls[name](launch=getattr(config, name), **kw)
+  launches = {**{name: getattr(config, name) for name in calls},
+              "ut_backward": config.ut_backward_channel if channel
+              else config.ut_backward}
+  run = lambda name, **kw: calls[name](launch=launches[name], **kw)
   arrays = {"inverse": dict(k=k, g=g, b=beta, cuts=None, a=None)}
   p = None
   if channel:

@@ -417,7 +417,8 @@ def test_kernels_lower_for_triton(dtype, features, gate):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args, *extra)
   text = exported.mlir_module()
-  intra = ("intra", "intra_backward") if gate == "channel" else ()
+  intra = ("chunk_gates", "intra", "intra_blocks", "intra_backward",
+           "intra_backward_blocks") if gate == "channel" else ()
   for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
                "output_backward", "state_backward", "ut_backward", *intra):
     assert f'name = "deltajax_{name}"' in text, name

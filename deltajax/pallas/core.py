@@ -39,7 +39,8 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Every launch knob of impl="pallas" (``step``: the decoding step's), with
+  """Every launch knob of impl="pallas" (``step``: the decoding step's;
+  ``ut_backward_channel``: ut_backward's for a per-channel gate), with
   the defaults tuned on the H200 (benchmarks/RESULTS.md,
   benchmarks/profile_kernels.py).
 
@@ -57,7 +58,9 @@ class KernelConfig:
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
   ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64,
                                block_k=64)
-  intra_backward: Launch = Launch(num_warps=4, num_stages=1, block_k=32)
+  ut_backward_channel: Launch = Launch(num_warps=4, num_stages=2, block_v=64,
+                                       block_k=32)
+  intra_backward: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
   step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
   interpret: bool | None = None
   precision: str = "tf32x3"

@@ -32,6 +32,8 @@ masked on the products.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -61,6 +63,11 @@ def _is_gentle(g_ref, start, ks=slice(None), span=SUB):
   ``start``."""
   fall = _row(g_ref, start, ks) - _row(g_ref, start + span - 1, ks)
   return jnp.max(fall) <= SPAN
+
+
+def _is_gentle_chunk(g_ref):
+  """Whether the gate falls by at most SPAN over the chunk, every channel."""
+  return _is_gentle(g_ref, 0, span=g_ref.shape[0])
 
 
 def _row_reference(g_ref, start, gentle, ks=slice(None)):
@@ -142,12 +149,40 @@ def chunk_gates(a, *, chunk_size, interpret):
       name="deltajax_chunk_gates")
 
 
-def _forward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref, scale,
-                    dot, block_k):
-  """Rows ``16 I .. 16 I + 15`` (I the first grid index) of one chunk's P and
-  A, ``[16, C]`` each."""
+def _store_scores(*, p_ref, a_ref, cuts_ref, start, qk, kk, scale):
+  """Stores the rows from ``start`` of P (``scale qk``) and A (``kk``),
+  masked to their pairs."""
+  at = ((start, qk.shape[0]), (0, qk.shape[1]))
+  p_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
+                         0).astype(p_ref.dtype)
+  a_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
+                         0).astype(a_ref.dtype)
+
+
+def _forward_whole_chunk(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
+                         scale, dot, block_k):
+  """The chunk's P and A ``[C, C]`` through one reference, the midpoint of
+  the gate's range: ``(X e^{g - r}) (K e^{r - g})^T``."""
   c, d = k_ref.shape
-  start = pl.program_id(0) * SUB
+  mm = _mm(dot, k_ref.dtype)
+  qk = kk = 0
+  for ks in core.blocks(d, block_k):
+    g = g_ref[:, ks].astype(_acc(g_ref))
+    r = (_row(g_ref, 0, ks) + _row(g_ref, c - 1, ks)) / 2
+    up = jnp.exp(g - r)
+    k_down = k_ref[:, ks].astype(g.dtype) * jnp.exp(r - g)
+    qk += mm(q_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
+    kk += mm(k_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
+  _store_scores(p_ref=p_ref, a_ref=a_ref, cuts_ref=cuts_ref, start=0, qk=qk,
+                kk=kk, scale=scale)
+
+
+def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
+                       scale, dot, block_k):
+  """Rows ``start .. start + 15`` of one chunk's P and A, ``[16, C]`` each,
+  through the reference of :func:`_row_reference`, the diagonal tile exactly
+  where the block's gate is not gentle."""
+  c, d = k_ref.shape
   rows = pl.ds(start, SUB)
   mm = _mm(dot, k_ref.dtype)
   token = core.iota((c, 1), 0)
@@ -176,11 +211,26 @@ def _forward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref, scale,
           lambda j, y_t, e, tiles, ks=ks: step(j, y_t, e, tiles, ks), tiles)
     return tiles
   qk, kk = lax.cond(gentle, lambda t: t, diagonal, (qk, kk))
-  at = ((start, SUB), (0, c))
-  p_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
-                         0).astype(p_ref.dtype)
-  a_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
-                         0).astype(a_ref.dtype)
+  _store_scores(p_ref=p_ref, a_ref=a_ref, cuts_ref=cuts_ref, start=start,
+                qk=qk, kk=kk, scale=scale)
+
+
+def _forward_kernel(*, whole_chunk, q_ref, k_ref, g_ref, cuts_ref, a_ref,
+                    p_ref, scale, dot, block_k, **done):
+  """One chunk's scores where its gate is gentle (``whole_chunk``), or the
+  rows of one block (the first grid index) of a chunk where it is not;
+  ``done`` (the whole-chunk
+  pass's outputs, aliased to this pass's) is not read."""
+  del done
+  refs = dict(q_ref=q_ref, k_ref=k_ref, g_ref=g_ref, cuts_ref=cuts_ref,
+              a_ref=a_ref, p_ref=p_ref, scale=scale, dot=dot, block_k=block_k)
+  gentle = _is_gentle_chunk(g_ref)
+  if whole_chunk:
+    pl.when(gentle)(lambda: _forward_whole_chunk(**refs))
+  else:
+    # (The block index is read outside pl.when: interpret mode needs it.)
+    start = pl.program_id(0) * SUB
+    pl.when(~gentle)(lambda: _forward_by_blocks(start=start, **refs))
 
 
 def _row_side(*, start, gentle, g_ref, k_ref, d_rows, mm):
@@ -224,11 +274,6 @@ def _diagonal_vjp(*, start, g_ref, k_ref, xs, d_tiles, grads):
     dy_t = sum(jnp.sum(d * x * e, axis=0) for d, x in zip(d_j, xs))
     return rows_side, dy + jnp.where(below == j, dy_t[None, :], 0)
   return _diagonal_columns(g_ref, k_ref, start, slice(None), step, grads)
-
-
-def _is_gentle_chunk(g_ref):
-  """Whether the gate falls by at most SPAN over the chunk, every channel."""
-  return _is_gentle(g_ref, 0, span=g_ref.shape[0])
 
 
 def _finish(refs, rows, dq_p, u, dy, later, dot):
@@ -370,18 +415,28 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
   c, blocks = chunk_size, chunk_size // SUB
   sp = _chunk_rows(c, heads // h, None)
   per_chunk = (bsz, heads, t_len, c)
-  rows = core.block(None, None, SUB, c)(
-      lambda m, i, j, n: (i, j, n * blocks + m, 0))
-  return core.call(
-      _forward_kernel, grid=(blocks, bsz, heads, t_len // c),
-      inputs=dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
-                  g_ref=(g, sp["g"](dk)), cuts_ref=(cuts, sp["gate"])),
-      outputs=dict(
-          a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
-                 rows),
-          p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), rows)),
-      launch=launch, interpret=interpret, name="deltajax_intra", scale=scale,
-      dot=dot, block_k=launch.block_k or dk)
+  inputs = dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
+                g_ref=(g, sp["g"](dk)), cuts_ref=(cuts, sp["gate"]))
+  out = lambda spec: dict(
+      a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
+             spec),
+      p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), spec))
+  run = functools.partial(
+      core.call, _forward_kernel, launch=launch, interpret=interpret,
+      scale=scale, dot=dot, block_k=launch.block_k or dk)
+  chunks = out(core.block(None, None, c, c)(lambda m, i, j, n: (i, j, n, 0)))
+  a, p = run(grid=(1, bsz, heads, t_len // c), inputs=inputs, outputs=chunks,
+             name="deltajax_intra", whole_chunk=True)
+  # The chunks whose gate is not gentle, by blocks of rows, written into the
+  # first pass's outputs.
+  return run(
+      grid=(blocks, bsz, heads, t_len // c),
+      inputs={**inputs, "a_done_ref": (a, chunks["a_ref"][1]),
+              "p_done_ref": (p, chunks["p_ref"][1])},
+      outputs=out(core.block(None, None, SUB, c)(
+          lambda m, i, j, n: (i, j, n * blocks + m, 0))),
+      aliases=dict(a_done_ref="a_ref", p_done_ref="p_ref"),
+      name="deltajax_intra_blocks", whole_chunk=False)
 
 
 def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,

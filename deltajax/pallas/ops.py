@@ -206,7 +206,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta,
       dk_out=dk_or_dp if p is None else None,
-      dg_out=dg_out, launch=config.ut_backward, **shared)
+      dg_out=dg_out, launch=config.ut_backward if p is None
+      else config.ut_backward_channel, **shared)
   if p is not None:
     dq, dk, da, db_scores = intra.backward(
         q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
