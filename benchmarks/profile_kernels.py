@@ -21,15 +21,20 @@ VARIANTS = {
     "inverse": [core.Launch(num_warps=w, num_stages=1) for w in (1, 2)],
     "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
               for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
-    "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
-                     for bv, w, s in ((64, 4, 3), (64, 4, 2), (32, 4, 2))],
+    "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
+                                 block_k=bk)
+                     for bv, w, s, bk in ((64, 4, 3, None), (64, 4, 2, None),
+                                          (32, 4, 2, None), (64, 4, None, 64),
+                                          (64, 4, None, 32), (32, 4, None, 64))],
     "output": [core.Launch(block_v=bv, num_warps=4, num_stages=1)
                for bv in (128, 64)],
     "w_u": [core.Launch(num_warps=w, num_stages=1) for w in (4, 2)],
     "output_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
-    "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1)
-                      for w in (8, 4)],
+    "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1,
+                                  block_k=bk)
+                      for w, bk in ((8, None), (4, None), (8, 64), (8, 32),
+                                    (4, 64))],
     "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
                                 block_k=bk)
                     for bv, w, s, bk in ((64, 4, 2, 64), (64, 4, 2, 32),
@@ -66,10 +71,8 @@ def stage_inputs(shape, gate="gdn", c=64):
   if channel:
     calls["intra"] = fixed(intra.forward, heads=shape[2], scale=0.1)
     calls["intra_backward"] = fixed(intra.backward, scale=0.1)
-  launches = {**{name: getattr(config, name) for name in calls},
-              "ut_backward": config.ut_backward_channel if channel
-              else config.ut_backward}
-  run = lambda name, **kw: calls[name](launch=launches[name], **kw)
+  run = lambda name, **kw: calls[name](
+      launch=config.launch(name, channel), **kw)
   arrays = {"inverse": dict(k=k, g=g, b=beta, cuts=None, a=None)}
   p = None
   if channel:
@@ -120,7 +123,7 @@ def main():
     config = core.KernelConfig(interpret=False)
     for name, (fn, arrays) in calls.items():
       jax.block_until_ready(jax.jit(functools.partial(
-          fn, launch=getattr(config, name)))(**arrays))
+          fn, launch=config.launch(name, args.gate == "kda")))(**arrays))
     return
   print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():

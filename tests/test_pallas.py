@@ -422,3 +422,41 @@ def test_kernels_lower_for_triton(dtype, features, gate):
   for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
                "output_backward", "state_backward", "ut_backward", *intra):
     assert f'name = "deltajax_{name}"' in text, name
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_pallas_blocks_of_channels_change_nothing(per_channel):
+  """The kernels that work by blocks of key channels (the state scans,
+  ut_backward, the intra kernels) give, with blocks of 16, the outputs and
+  gradients of one block, float64, with a cut and packed sequences."""
+  bsz, t, h, d, c = 1, 64, 2, 48, 16
+  x = utils.random_inputs(7, batch=bsz, length=t, heads=h, key_dim=d,
+                          value_dim=32, per_channel=per_channel)
+  a = np.asarray(x.a) if per_channel else np.asarray(x.a)[..., None]
+  cut = np.zeros(a.shape, bool)
+  cut[:, 37] = True
+  chunk_seq = jnp.asarray([0, 0, 1, 1], jnp.int32)
+  s0 = np.random.default_rng(7).standard_normal((2, h, d, 32))
+  small = core.Launch(num_warps=4, num_stages=1, block_v=16, block_k=16)
+  blocked = core.KernelConfig(
+      interpret=True, forward_scan=small, backward_scan=small,
+      ut_backward=small, intra=small, intra_backward=small,
+      channel=tuple((name, small) for name in
+                    ("forward_scan", "backward_scan", "ut_backward")))
+
+  def loss(config, *args):
+    o, final = pallas.gated_delta_pallas(
+        *args, cut, chunk_seq, scale=0.3, chunk_size=c, config=config)
+    return jnp.sum(o * jnp.cos(o)) + jnp.sum(final * jnp.sin(final))
+
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(v, jnp.float64)
+                 for v in (x.q, x.k, x.v, a, x.b, s0))
+    grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(1, 7))),
+                   static_argnums=0)
+    ref = grad(core.KernelConfig(interpret=True), *args)
+    got = grad(blocked, *args)
+  for name, r, g in zip(("loss", "grads"), ref, got):
+    for r_i, g_i in zip(jax.tree.leaves(r), jax.tree.leaves(g)):
+      err = np.max(np.abs(np.asarray(g_i) - np.asarray(r_i)))
+      assert err <= 1e-12 * np.max(np.abs(np.asarray(r_i))), (name, err)

@@ -40,7 +40,7 @@ class Launch:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Every launch knob of impl="pallas" (``step``: the decoding step's;
-  ``ut_backward_channel``: ut_backward's for a per-channel gate), with
+  ``channel``: a per-channel gate's, where they differ), with
   the defaults tuned on the H200 (benchmarks/RESULTS.md,
   benchmarks/profile_kernels.py).
 
@@ -58,12 +58,25 @@ class KernelConfig:
   backward_scan: Launch = Launch(num_warps=8, num_stages=1, block_v=64)
   ut_backward: Launch = Launch(num_warps=4, num_stages=2, block_v=64,
                                block_k=64)
-  ut_backward_channel: Launch = Launch(num_warps=4, num_stages=2, block_v=64,
-                                       block_k=32)
   intra_backward: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
   step: Launch = Launch(num_warps=4, num_stages=1, block_v=32)
+  # A per-channel (KDA) gate's launches where they differ: its [C, K] gate
+  # tiles are worked on by blocks of key channels.
+  channel: tuple[tuple[str, Launch], ...] = (
+      ("forward_scan", Launch(num_warps=4, num_stages=None, block_v=64,
+                              block_k=64)),
+      ("backward_scan", Launch(num_warps=8, num_stages=1, block_v=64,
+                               block_k=64)),
+      ("ut_backward", Launch(num_warps=4, num_stages=2, block_v=64,
+                             block_k=32)))
   interpret: bool | None = None
   precision: str = "tf32x3"
+
+  def launch(self, kernel: str, per_channel: bool) -> Launch:
+    """The launch of ``kernel`` for a per-channel gate or a per-head one."""
+    if per_channel and kernel in dict(self.channel):
+      return dict(self.channel)[kernel]
+    return getattr(self, kernel)
 
   def resolve(self) -> KernelConfig:
     """This config with ``interpret`` decided (raises on a GPU too old)."""

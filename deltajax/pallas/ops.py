@@ -149,23 +149,24 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   qp, kp, vp = _padded(q, k, v)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
                          config.interpret)
+  launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   heads = v.shape[2]
   if g.ndim == 4:
     a_kk, p = intra.forward(q=qp, k=kp, g=g, cuts=cuts, heads=heads,
-                            scale=scale, launch=config.intra, **shared)
+                            scale=scale, launch=launch("intra"), **shared)
     t = ut.inverse(k=kp, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
-                   launch=config.inverse, **shared)
+                   launch=launch("inverse"), **shared)
   else:
     t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, a=None, heads=heads,
-                   launch=config.inverse, **shared)
+                   launch=launch("inverse"), **shared)
     p = None
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
-      initial_state=s0, launch=config.forward_scan, **shared)
+      initial_state=s0, launch=launch("forward_scan"), **shared)
   o = output.output(q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta,
-                    p=p, scale=scale, out_dtype=v.dtype, launch=config.output,
-                    **shared)
+                    p=p, scale=scale, out_dtype=v.dtype,
+                    launch=launch("output"), **shared)
   final = final[..., :q.shape[-1], :v.shape[-1]]
   if chunk_seq is not None:
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
@@ -190,28 +191,28 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   qp, kp, vp = _padded(q, k, v)
   g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
                          config.interpret)
+  launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
-  w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, launch=config.w_u,
-                **shared)
+  w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t,
+                launch=launch("w_u"), **shared)
   # The output's last cotangent is dk's share, or P's for a per-channel gate.
   dq, dg_out, d_delta, dk_or_dp = output.output_backward(
       q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, d_o=d_o,
-      scale=scale, launch=config.output_backward, **shared)
+      scale=scale, launch=launch("output_backward"), **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale,
-      launch=config.backward_scan, **shared)
+      launch=launch("backward_scan"), **shared)
   dk, dv, db, da, *d_m = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta,
       dk_out=dk_or_dp if p is None else None,
-      dg_out=dg_out, launch=config.ut_backward if p is None
-      else config.ut_backward_channel, **shared)
+      dg_out=dg_out, launch=launch("ut_backward"), **shared)
   if p is not None:
     dq, dk, da, db_scores = intra.backward(
         q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
-        dk=dk, dg=da, scale=scale, launch=config.intra_backward, **shared)
+        dk=dk, dg=da, scale=scale, launch=launch("intra_backward"), **shared)
     db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
   # da is in a's layout per channel (intra.backward), per head for W = 1.

@@ -44,90 +44,125 @@ def _cut_tiles(cuts_ref, n, c):
   return cuts_ref[pl.ds(n * c, c)], cuts_ref[n * c + c - 1]
 
 
+def _gate_at(g_ref, idx, ks, acc):
+  """The gate at ``idx`` (tokens): ``[...]`` for a scalar gate, ``[..., k]``
+  (the channels ``ks``) for a per-channel one."""
+  return (g_ref[idx, ks] if len(g_ref.shape) == 2 else g_ref[idx]).astype(acc)
+
+
 def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
                     s0_ref, delta_ref, states_ref, final_ref, chunk_size,
-                    dot):
+                    block_k, dot):
+  """The state is carried by blocks of ``block_k`` key channels (a tuple of
+  ``[k, BV]``): a per-channel gate's ``[C, K]`` decays are then formed a
+  block at a time (register pressure)."""
   c = chunk_size
   n_chunks = k_ref.shape[0] // c
   dtype, acc = k_ref.dtype, final_ref.dtype
+  k_blocks = core.blocks(k_ref.shape[1], block_k)
 
   def chunk(n, s):
     rows = pl.ds(n * c, c)
     if seq_ref is not None:
       seq, first, last = _boundaries(seq_ref, n, n_chunks)
-      s = lax.cond(first, lambda: s0_ref[seq].astype(acc), lambda: s)
-    states_ref[n] = s.astype(states_ref.dtype)
-    k = k_ref[rows, :]
-    g, beta = g_ref[rows].astype(acc), b_ref[rows].astype(acc)
-    g_end = g_ref[n * c + c - 1].astype(acc)
+      s = lax.cond(first, lambda: tuple(s0_ref[seq, ks, :].astype(acc)
+                                        for ks in k_blocks), lambda: s)
+    for ks, s_k in zip(k_blocks, s):
+      states_ref[n, ks, :] = s_k.astype(states_ref.dtype)
+    beta = b_ref[rows].astype(acc)
     cuts, cuts_end = _cut_tiles(cuts_ref, n, c)
+    g = [_gate_at(g_ref, rows, ks, acc) for ks in k_blocks]
+    g_end = [_gate_at(g_ref, n * c + c - 1, ks, acc) for ks in k_blocks]
     # Delta = U - W S = T diag(b) (V - (K e^g) S): W and U are never formed.
-    y = beta[:, None] * (v_ref[rows, :].astype(acc)
-                         - core.decayed_dot(core.from_start(g, cuts), k, s,
-                                            dot))
-    delta = dot(t_ref[rows, :], y.astype(dtype))
+    y = v_ref[rows, :].astype(acc)
+    for ks, g_k, s_k in zip(k_blocks, g, s):
+      y -= core.decayed_dot(core.from_start(g_k, cuts), k_ref[rows, ks], s_k,
+                            dot)
+    delta = dot(t_ref[rows, :], (beta[:, None] * y).astype(dtype))
     delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-    s = (core.on_state(core.over_chunk(g_end, cuts_end)) * s
-         + core.decayed_dot_t(core.to_end(g, g_end, cuts, cuts_end), k,
-                              delta, dot))
+    s = tuple(
+        core.on_state(core.over_chunk(e_k, cuts_end)) * s_k
+        + core.decayed_dot_t(core.to_end(g_k, e_k, cuts, cuts_end),
+                             k_ref[rows, ks], delta, dot)
+        for ks, g_k, e_k, s_k in zip(k_blocks, g, g_end, s))
     if seq_ref is not None:
       @pl.when(last)
       def _():
-        final_ref[seq] = s
+        for ks, s_k in zip(k_blocks, s):
+          final_ref[seq, ks, :] = s_k
     return s
 
   if seq_ref is None:
-    final_ref[...] = lax.fori_loop(0, n_chunks, chunk,
-                                   s0_ref[...].astype(acc))
+    final = lax.fori_loop(0, n_chunks, chunk, tuple(
+        s0_ref[ks, :].astype(acc) for ks in k_blocks))
+    for ks, s_k in zip(k_blocks, final):
+      final_ref[ks, :] = s_k
   else:
-    lax.fori_loop(0, n_chunks, chunk, jnp.zeros(final_ref.shape[1:], acc))
+    lax.fori_loop(0, n_chunks, chunk, tuple(
+        jnp.zeros((ks.size, final_ref.shape[-1]), acc) for ks in k_blocks))
 
 
 def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
                      dd_ref, dfinal_ref, d_delta_ref, d_next_ref,
-                     d_initial_ref, chunk_size, scale, dot):
+                     d_initial_ref, chunk_size, scale, block_k, dot):
+  """The state cotangent is carried by blocks of ``block_k`` key channels,
+  as the forward's state."""
   c = chunk_size
   n_chunks = w_ref.shape[0] // c
   dtype, acc = w_ref.dtype, d_initial_ref.dtype
+  k_blocks = core.blocks(k_ref.shape[1], block_k)
 
   def load(n):
     rows = pl.ds(n * c, c)
-    return (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], g_ref[rows],
-            g_ref[n * c + c - 1], do_ref[rows, :], dd_ref[rows, :],
+    per_block = tuple(
+        (q_ref[rows, ks], k_ref[rows, ks], w_ref[rows, ks],
+         _gate_at(g_ref, rows, ks, g_ref.dtype),
+         _gate_at(g_ref, n * c + c - 1, ks, g_ref.dtype))
+        for ks in k_blocks)
+    return (per_block, do_ref[rows, :], dd_ref[rows, :],
             _cut_tiles(cuts_ref, n, c))
 
   def chunk(i, carry):
     # The previous chunk's tiles are loaded before this chunk's products, so
     # their latency is hidden (measured faster than Triton's pipelining here,
     # but slower in the forward scan).
-    ds, (q, k, w, g, g_end, d_o, dd, (cuts, cuts_end)) = carry
+    ds, (per_block, d_o, dd, (cuts, cuts_end)) = carry
     n = n_chunks - 1 - i
     next_tiles = load(jnp.maximum(n - 1, 0))
     if seq_ref is not None:
       seq, first, last = _boundaries(seq_ref, n, n_chunks)
-      ds = lax.cond(last, lambda: dfinal_ref[seq].astype(acc), lambda: ds)
-    d_next_ref[n] = ds.astype(d_next_ref.dtype)
-    g, g_end = g.astype(acc), g_end.astype(acc)
-    d_delta = dd + core.decayed_dot(core.to_end(g, g_end, cuts, cuts_end), k,
-                                    ds, dot)
+      ds = lax.cond(last, lambda: tuple(dfinal_ref[seq, ks, :].astype(acc)
+                                        for ks in k_blocks), lambda: ds)
+    for ks, ds_k in zip(k_blocks, ds):
+      d_next_ref[n, ks, :] = ds_k.astype(d_next_ref.dtype)
+    d_delta = dd
+    for (_, k, _, g, g_end), ds_k in zip(per_block, ds):
+      d_delta += core.decayed_dot(
+          core.to_end(g.astype(acc), g_end.astype(acc), cuts, cuts_end), k,
+          ds_k, dot)
     d_delta_ref[pl.ds(n * c, c), :] = d_delta
-    qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
-    ds = (dot(qg.astype(dtype), d_o.astype(dtype), trans_a=True)
-          + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
-          - dot(w, d_delta.astype(dtype), trans_a=True))
+    ds = tuple(
+        dot((q.astype(acc) * core.on_keys(
+            scale * core.from_start(g.astype(acc), cuts))).astype(dtype),
+            d_o.astype(dtype), trans_a=True)
+        + core.on_state(core.over_chunk(g_end.astype(acc), cuts_end)) * ds_k
+        - dot(w, d_delta.astype(dtype), trans_a=True)
+        for (q, _, w, g, g_end), ds_k in zip(per_block, ds))
     if seq_ref is not None:
       @pl.when(first)
       def _():
-        d_initial_ref[seq] = ds
+        for ks, ds_k in zip(k_blocks, ds):
+          d_initial_ref[seq, ks, :] = ds_k
     return ds, next_tiles
 
+  ds0 = (tuple(dfinal_ref[ks, :].astype(acc) for ks in k_blocks)
+         if seq_ref is None else
+         tuple(jnp.zeros((ks.size, d_initial_ref.shape[-1]), acc)
+               for ks in k_blocks))
+  ds, _ = lax.fori_loop(0, n_chunks, chunk, (ds0, load(n_chunks - 1)))
   if seq_ref is None:
-    d_initial_ref[...], _ = lax.fori_loop(
-        0, n_chunks, chunk, (dfinal_ref[...].astype(acc), load(n_chunks - 1)))
-  else:
-    lax.fori_loop(0, n_chunks, chunk,
-                  (jnp.zeros(d_initial_ref.shape[1:], acc),
-                   load(n_chunks - 1)))
+    for ks, ds_k in zip(k_blocks, ds):
+      d_initial_ref[ks, :] = ds_k
 
 
 def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
@@ -186,6 +221,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
     gate_bytes = c * dk * g.dtype.itemsize if g.ndim == 4 else 0
     num_stages = _pipeline_stages(c * (c + dk + bv) * k.dtype.itemsize
                                   + gate_bytes)
+  block_k = launch.block_k
   launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
   sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
                    None if chunk_seq is None else initial_state.shape[0], g)
@@ -205,7 +241,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
           final_ref=(jax.ShapeDtypeStruct(initial_state.shape, acc),
                      sp["state"])),
       launch=launch, interpret=interpret, name="deltajax_state_forward",
-      chunk_size=c, dot=dot)
+      chunk_size=c, block_k=block_k or dk, dot=dot)
 
 
 def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
@@ -250,4 +286,5 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
           d_initial_ref=(jax.ShapeDtypeStruct(d_final.shape, acc),
                          sp["state"])),
       launch=launch, interpret=interpret, name="deltajax_state_backward",
-      chunk_size=chunk_size, scale=scale, dot=dot)
+      chunk_size=chunk_size, scale=scale, block_k=launch.block_k or dk,
+      dot=dot)
