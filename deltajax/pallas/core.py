@@ -201,6 +201,14 @@ class Dot:
     return lax.dot_general(a, b, dims, precision=algorithm,
                            preferred_element_type=accumulator(a.dtype))
 
+  def of_float32(self, dtype):
+    """Products of float32 values formed from ``dtype`` inputs: one TF32
+    pass for 16-bit inputs (whose own rounding is coarser), ``precision``
+    otherwise."""
+    low = jnp.dtype(dtype).itemsize < 4
+    return lambda a, b, **kw: self(a, b, precision="tf32" if low else None,
+                                   **kw)
+
 
 def blocks(size: int, block: int):
   """Static ref slices ``pl.ds`` covering ``range(size)`` in steps of ``block``."""

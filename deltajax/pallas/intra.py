@@ -87,13 +87,6 @@ def _column_reference(g_ref, start, gentle, ks=slice(None)):
   return r, start + SUB * (1 - gentle.astype(jnp.int32))
 
 
-def _mm(dot, dtype):
-  """Products of float32 factors: one TF32 pass for 16-bit inputs (whose own
-  rounding is coarser), the configured precision otherwise."""
-  low = jnp.dtype(dtype).itemsize < 4
-  return lambda a, b, **kw: dot(a, b, precision="tf32" if low else None, **kw)
-
-
 def _pairs(rows, cols, cuts_ref, strict: bool):
   """``[len(rows), len(cols)]``: the pairs of tokens that carry a score
   (``j <= i``, or ``j < i``, in one segment between cuts); ``rows``, ``cols``:
@@ -164,7 +157,7 @@ def _forward_whole_chunk(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
   """The chunk's P and A ``[C, C]`` through one reference, the midpoint of
   the gate's range: ``(X e^{g - r}) (K e^{r - g})^T``."""
   c, d = k_ref.shape
-  mm = _mm(dot, k_ref.dtype)
+  mm = dot.of_float32(k_ref.dtype)
   qk = kk = 0
   for ks in core.blocks(d, block_k):
     g = g_ref[:, ks].astype(_acc(g_ref))
@@ -184,7 +177,7 @@ def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
   where the block's gate is not gentle."""
   c, d = k_ref.shape
   rows = pl.ds(start, SUB)
-  mm = _mm(dot, k_ref.dtype)
+  mm = dot.of_float32(k_ref.dtype)
   token = core.iota((c, 1), 0)
   gentle = _is_gentle(g_ref, start)
   qk = kk = 0
@@ -308,7 +301,7 @@ def _backward_whole_chunk(refs, *, scale, dot):
   g_ref = refs["g"]
   c = g_ref.shape[0]
   acc = _acc(g_ref)
-  mm = _mm(dot, refs["k"].dtype)
+  mm = dot.of_float32(refs["k"].dtype)
   g = g_ref[...].astype(acc)
   r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
@@ -330,7 +323,7 @@ def _backward_by_blocks(refs, *, scale, dot):
   g_ref, k_ref = refs["g"], refs["k"]
   c, width = k_ref.shape
   acc = _acc(g_ref)
-  mm = _mm(dot, k_ref.dtype)
+  mm = dot.of_float32(k_ref.dtype)
   beta = refs["b"][...].astype(acc)[:, None]
   xs = [scale * refs["q"][...].astype(acc), beta * k_ref[...].astype(acc)]
 
@@ -406,8 +399,8 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
     None; heads: HV; launch.block_k: key channels per inner product.
 
   Returns:
-    ``(a [B, HV, T, C] float32 (float64 for float64 inputs), p
-    [B, HV, T, C] in q's dtype)``: each chunk's
+    ``(a, p)``, ``[B, HV, T, C]`` float32 (float64 for float64 inputs):
+    each chunk's
     ``A = Gamma * K K^T`` (strictly lower) and ``P = scale Gamma * Q K^T``
     (causal) at its rows; 0 across a cut.
   """
@@ -420,7 +413,8 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
   out = lambda spec: dict(
       a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
              spec),
-      p_ref=(jax.ShapeDtypeStruct(per_chunk, q.dtype), spec))
+      p_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(q.dtype)),
+             spec))
   run = functools.partial(
       core.call, _forward_kernel, launch=launch, interpret=interpret,
       scale=scale, dot=dot, block_k=launch.block_k or dk)

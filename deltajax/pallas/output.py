@@ -25,12 +25,15 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
   if p_ref is None:
     qk = scores.scores(x=q, y=k_ref[...], g=g, cuts=cuts, strict=False,
                        dot=dot).matrix
-    p = (qk * scale).astype(dtype)
+    p = qk * scale
   else:
-    p = p_ref[...].astype(dtype)
+    p = p_ref[...].astype(acc)
   qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
+  # P Delta in float32: with aligned keys and a long memory, rounding P and
+  # Delta to 16 bits would cost o 2e-3 of relative error each
+  # (benchmarks/RESULTS.md, run G).
   o = (dot(qg.astype(dtype), s_ref[...].astype(dtype))
-       + dot(p, delta_ref[...].astype(dtype)))
+       + dot.of_float32(dtype)(p, delta_ref[...].astype(acc)))
   o_ref[...] = o.astype(o_ref.dtype)
 
 

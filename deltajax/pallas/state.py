@@ -207,7 +207,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
     N = B without chunk_seq.
 
   Returns:
-    ``(delta [B, T, HV, V] in v's dtype, states [B, HV, T / C, K, V] (each
+    ``(delta [B, T, HV, V] float32 (float64), states [B, HV, T / C, K, V] (each
     chunk's entry state, in k's dtype), final_state [N, HV, K, V])``; with
     chunk_seq, a sequence without chunks has an undefined final state.
   """
@@ -235,7 +235,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
           seq_ref=(chunk_seq, sp["chunk_seq"]),
           s0_ref=(initial_state, sp["state"])),
       outputs=dict(
-          delta_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), sp["vals"]),
+          delta_ref=(jax.ShapeDtypeStruct(v.shape, acc), sp["vals"]),
           states_ref=(jax.ShapeDtypeStruct((bsz, heads, n, dk, dv), k.dtype),
                       sp["states"]),
           final_ref=(jax.ShapeDtypeStruct(initial_state.shape, acc),
