@@ -85,6 +85,7 @@ def stage_inputs(shape, gate="gdn", c=64):
   delta, states, _ = run("forward_scan", **arrays["forward_scan"])
   arrays["output"] = dict(q=q, k=k, g=g, cuts=None, p=p, states=states,
                           delta=delta)
+  _, delta = run("output", **arrays["output"])  # the backward's copy
   arrays["w_u"] = dict(k=k, v=v, g=g, b=beta, cuts=None, t=t)
   w, u = run("w_u", **arrays["w_u"])
   arrays["output_backward"] = dict(q=q, k=k, g=g, cuts=None, p=p, d_o=do,

@@ -118,11 +118,7 @@ REGISTRY = {
     "pallas": Implementation(
         "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
-        emulated=True, min_capability=pallas.MIN_CAPABILITY,
-        # The per-channel kernels are 4-6x faster than "chunked" on the H200
-        # but miss fla's output tolerance on two cases of its KDA grid (weak
-        # gates; benchmarks/RESULTS.md, run G): opt-in.
-        auto_gates=("head",)),
+        emulated=True, min_capability=pallas.MIN_CAPABILITY),
 }
 
 IMPLEMENTATIONS = ("auto", *REGISTRY)

@@ -164,9 +164,9 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
       initial_state=s0, launch=launch("forward_scan"), **shared)
-  o = output.output(q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta,
-                    p=p, scale=scale, out_dtype=v.dtype,
-                    launch=launch("output"), **shared)
+  o, delta = output.output(
+      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p,
+      scale=scale, out_dtype=v.dtype, launch=launch("output"), **shared)
   final = final[..., :q.shape[-1], :v.shape[-1]]
   if chunk_seq is not None:
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,

@@ -17,7 +17,7 @@ from deltajax.pallas import scores
 
 
 def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
-                   o_ref, scale, dot):
+                   o_ref, scale, dot, low_ref=None):
   q = q_ref[...]
   dtype, acc = q.dtype, core.accumulator(q.dtype)
   g = g_ref[...].astype(acc)
@@ -32,9 +32,12 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
   # P Delta in float32: with aligned keys and a long memory, rounding P and
   # Delta to 16 bits would cost o 2e-3 of relative error each
   # (benchmarks/RESULTS.md, run G).
+  delta = delta_ref[...]
   o = (dot(qg.astype(dtype), s_ref[...].astype(dtype))
-       + dot.of_float32(dtype)(p, delta_ref[...].astype(acc)))
+       + dot.of_float32(dtype)(p, delta.astype(acc)))
   o_ref[...] = o.astype(o_ref.dtype)
+  if low_ref is not None:  # the backward's copy of Delta
+    low_ref[...] = delta.astype(low_ref.dtype)
 
 
 def _output_backward_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref,
@@ -96,22 +99,26 @@ def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
     :func:`intra.forward`.
 
   Returns:
-    ``o`` ``[B, T, HV, V]`` in ``out_dtype``.
+    ``(o, delta)``, ``[B, T, HV, V]`` in ``out_dtype``: the outputs, and
+    Delta (float32 from the scan, for the products here) in out_dtype for
+    the backward.
   """
   bsz, t_len, h, dk = q.shape
   heads, dv = delta.shape[2:]
   bv = min(dv, launch.block_v)
   sp = _specs(chunk_size, heads // h, dk, bv)
-  return core.call(
+  values = jax.ShapeDtypeStruct(delta.shape, out_dtype)
+  low = {} if out_dtype == delta.dtype else dict(low_ref=(values, sp["vals"]))
+  result = core.call(
       _output_kernel, grid=(bsz, heads, t_len // chunk_size, dv // bv),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
                   g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
                   s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"]),
                   p_ref=(p, sp["square"])),
-      outputs=dict(o_ref=(jax.ShapeDtypeStruct(delta.shape, out_dtype),
-                          sp["vals"])),
+      outputs=dict(o_ref=(values, sp["vals"]), **low),
       launch=launch, interpret=interpret, name="deltajax_output",
       scale=scale, dot=dot)
+  return result if low else (result, delta)
 
 
 def output_backward(*, q, k, g, cuts, states, delta, p, d_o, chunk_size,
