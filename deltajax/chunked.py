@@ -44,24 +44,28 @@ class _Chunks(NamedTuple):
   k: jax.Array
   v: jax.Array
   gate: common.ChunkGate  # [N, B, H, C, W]
-  b: jax.Array  # [N, B, H, C]
+  b: jax.Array | tuple  # [N, B, H, C], or (erase [..., C, K], write [..., C, V])
 
 
 def _prepare(q, k, v, a, b, cut, scale, chunk_size, dtype) -> _Chunks:
   q = q.astype(dtype) * scale
-  q, k, v, a, b = (common.to_chunks(x.astype(dtype), chunk_size)
-                   for x in (q, k, v, a, b))
+  q, k, v, a, b = jax.tree.map(
+      lambda x: common.to_chunks(x.astype(dtype), chunk_size),
+      (q, k, v, a, b))
   cut = None if cut is None else common.to_chunks(cut, chunk_size)
   return _Chunks(q, k, v, common.ChunkGate.of(a, cut, axis=-2), b)
 
 
 def _ut_transform(k, v, gate, b):
-  """Returns ``(W, U, KK, T)``: ``[..., C, K]``, ``[..., C, V]``, the strict
-  ``Gamma * K K^T`` and ``T``, ``[..., C, C]``."""
-  kk = common.decayed_scores(k, k, gate, strict=True)
-  t = common.invert_unit_lower(b[..., :, None] * kk)
-  w = common.mm(t, b[..., None] * k * gate.from_start())
-  return w, common.mm(t, b[..., None] * v), kk, t
+  """Returns ``(W, U, M, T)``: ``[..., C, K]``, ``[..., C, V]``, the strict
+  ``M = Gamma * (erase K) K^T`` (``diag(b) Gamma * K K^T`` for beta) and
+  ``T = (I + M)^-1``, ``[..., C, C]``; ``W = T (erase K e^g)``, ``U = T
+  (write V)`` (:func:`common.erase_write`)."""
+  erase, write = common.erase_write(b)
+  m = common.decayed_scores(erase * k, k, gate, strict=True)
+  t = common.invert_unit_lower(m)
+  w = common.mm(t, erase * k * gate.from_start())
+  return w, common.mm(t, write * v), m, t
 
 
 def _state_scan(w, u, k_end, decay, initial_state, chunk_seq):
@@ -130,24 +134,27 @@ def _chunked_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
   return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, states)
 
 
-def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, kk, t):
-  """Cotangents of :func:`_ut_transform`: ``(dk, dv, dg, db)``, dg per channel."""
+def _ut_transform_vjp(d_w, d_u, c: _Chunks, w, u, m, t):
+  """Cotangents of :func:`_ut_transform`: ``(dk, dv, dg, db)``, dg per
+  channel, db as ``c.b`` (beta, or the pair of erase and write gates)."""
+  erase, write = common.erase_write(c.b)
   e_g = c.gate.from_start()
   k_g = c.k * e_g
-  # [W | U] = T diag(b) [K e^g | V] with T = (I + M)^-1: d[K e^g | V] =
-  # diag(b) T^T d[W | U] and dM = -T^T d[W | U] [W | U]^T.
+  # [W | U] = T [erase K e^g | write V] with T = (I + M)^-1: the cotangents
+  # of the right-hand sides are T^T d[W | U], and dM = -T^T d[W | U]
+  # [W | U]^T.
   t_t = jnp.swapaxes(t, -1, -2)
-  d_kg, d_v = common.mm(t_t, d_w), common.mm(t_t, d_u)
-  d_m = -(common.mm(d_kg, jnp.swapaxes(w, -1, -2))
-          + common.mm(d_v, jnp.swapaxes(u, -1, -2)))
-  db = (jnp.sum(d_kg * k_g, axis=-1) + jnp.sum(d_v * c.v, axis=-1)
-        + jnp.sum(d_m * kk, axis=-1))
-  d_kg, d_v = c.b[..., None] * d_kg, c.b[..., None] * d_v
-  dk1, dk2, dg1, dg2 = common.decayed_scores_vjp(
-      c.b[..., :, None] * d_m, c.k, c.k, c.gate, strict=True)
-  dk = dk1 + dk2 + d_kg * e_g
-  dg = dg1 + dg2 + d_kg * k_g
-  return dk, d_v, dg, db
+  d_xk, d_xv = common.mm(t_t, d_w), common.mm(t_t, d_u)
+  d_m = -(common.mm(d_xk, jnp.swapaxes(w, -1, -2))
+          + common.mm(d_xv, jnp.swapaxes(u, -1, -2)))
+  dx, dk2, dg1, dg2 = common.decayed_scores_vjp(
+      d_m, erase * c.k, c.k, c.gate, strict=True)
+  dk = (dx + d_xk * e_g) * erase + dk2
+  dg = dg1 + dg2 + d_xk * erase * k_g
+  d_erase, d_write = dx * c.k + d_xk * k_g, d_xv * c.v
+  db = ((d_erase, d_write) if isinstance(c.b, tuple)
+        else jnp.sum(d_erase, axis=-1) + jnp.sum(d_write, axis=-1))
+  return dk, d_xv * write, dg, db
 
 
 def _chunked_bwd(scale, chunk_size, residuals, cotangents):
@@ -156,7 +163,7 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
   dtype = states.dtype
   c = _prepare(q, k, v, a, b, cut, scale, chunk_size, dtype)
   d_o = common.to_chunks(d_o.astype(dtype), chunk_size)
-  w, u, kk, t = _ut_transform(c.k, c.v, c.gate, c.b)
+  w, u, m, t = _ut_transform(c.k, c.v, c.gate, c.b)
   to_end, decay = c.gate.to_end(), c.gate.total()
   k_end = c.k * to_end
   delta = u - common.mm(w, states)
@@ -183,15 +190,15 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
             + decay * jnp.sum(d_next * states, axis=-1))
   dk_ut, dv, dg_ut, db = _ut_transform_vjp(
       -common.mm(d_delta, jnp.swapaxes(states, -1, -2)), d_delta, c, w, u,
-      kk, t)
+      m, t)
   dk = dk + dk_ut
   dg = (dg + dg_ut).at[..., -1, :].add(dg_end)
   # g is a cumulative sum of a within the chunk.
   da = common.reduce_gate(lax.cumsum(dg, axis=dg.ndim - 2, reverse=True),
                           a.shape[-1])
   grads = (dq * scale, dk, dv, da, db)
-  return (*(common.from_chunks(d).astype(x.dtype)
-            for d, x in zip(grads, (q, k, v, a, b))),
+  return (*jax.tree.map(lambda d, x: common.from_chunks(d).astype(x.dtype),
+                        grads, (q, k, v, a, b)),
           d_initial.astype(initial_state.dtype), None, None)
 
 

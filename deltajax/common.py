@@ -347,6 +347,13 @@ def invert_unit_lower(a: jax.Array) -> jax.Array:
   return t
 
 
+def erase_write(b):
+  """``(erase, write)`` gates of ``b``: beta ``[...]`` both erases (key side)
+  and writes (value side), as ``[..., 1]``; Gated DeltaNet-2's pair
+  ``(erase [..., K], write [..., V])`` as is."""
+  return b if isinstance(b, tuple) else (b[..., None], b[..., None])
+
+
 def token_step(state, q, k, v, a, b, cut=None):
   """One token of the gated delta rule (the KDA seed's five lines).
 
@@ -355,17 +362,22 @@ def token_step(state, q, k, v, a, b, cut=None):
     q, k: ``[..., K]``, ``q`` already scaled.
     v: ``[..., V]``.
     a: ``[..., W]`` log decay, ``W`` in ``{1, K}``.
-    b: ``[...]`` write strength beta.
+    b: ``[...]`` beta, or Gated DeltaNet-2's ``(erase [..., K], write [...,
+      V])`` (:func:`erase_write`).
     cut: ``[..., W]`` bool or None: discard the state before this token.
 
   Returns:
     ``(new_state, o)`` with ``o`` ``[..., V]``. Decay, then predict, then
-    correct: the prediction reads the already decayed state.
+    correct: the prediction reads the already decayed state,
+    ``u = write * v - S^T (erase * k)``, ``S += k u^T``.
   """
   decay = jnp.exp(a) if cut is None else jnp.where(cut, 0.0, jnp.exp(a))
   state = state * decay[..., :, None]
-  prediction = einsum("...kv,...k->...v", state, k)
-  residual = b[..., None] * (v - prediction)
+  if isinstance(b, tuple):
+    erase, write = b
+    residual = write * v - einsum("...kv,...k->...v", state, erase * k)
+  else:
+    residual = b[..., None] * (v - einsum("...kv,...k->...v", state, k))
   state = state + k[..., :, None] * residual[..., None, :]
   o = einsum("...k,...kv->...v", q, state)
   return state, o

@@ -28,9 +28,11 @@ def _batch_major(x: jax.Array) -> jax.Array:
 
 
 def _prepare(q, k, v, a, b, cut, scale, chunk_size, dtype):
-  """Token-major ``(q scaled, k, v, a, b, cut)``; ``cut`` stays None without cuts."""
+  """Token-major ``(q scaled, k, v, a, b, cut)`` (b: beta or Gated
+  DeltaNet-2's pair); ``cut`` stays None without cuts."""
   q = q.astype(dtype) * scale
-  xs = tuple(_token_major(x.astype(dtype), chunk_size) for x in (q, k, v, a, b))
+  xs = jax.tree.map(lambda x: _token_major(x.astype(dtype), chunk_size),
+                    (q, k, v, a, b))
   return (*xs, None if cut is None else _token_major(cut, chunk_size))
 
 
@@ -82,10 +84,11 @@ def _scan_bwd(scale, chunk_size, residuals, cotangents):
 
   d_initial, d_inputs = common.scan_chunks_reverse(
       chunk_back, d_final.astype(dtype), (states, xs, d_o), chunk_seq)
-  dq, dk, dv, da, db = (_batch_major(x) for x in d_inputs)
+  dq, dk, dv, da, db = jax.tree.map(_batch_major, tuple(d_inputs))
   dq = dq * scale
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          da.astype(a.dtype), db.astype(b.dtype),
+          da.astype(a.dtype), jax.tree.map(lambda d, x: d.astype(x.dtype),
+                                           db, b),
           d_initial.astype(initial_state.dtype), None, None)
 
 
