@@ -56,10 +56,13 @@ def _check_int(name: str, x, shape: tuple, what: str) -> None:
 
 
 def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
-                  n_states):
-  """Validates the rank-4 form; returns the gate kind ("head" or "channel")."""
-  for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
-    _check_float(name, x)
+                  n_states, w=None):
+  """Validates the rank-4 form; returns the gate kind ("head", "channel", or
+  "gdn2" with the write gate ``w``)."""
+  for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b),
+                  ("w", w)):
+    if x is not None:
+      _check_float(name, x)
   if q.ndim != 4:
     raise ValueError(f"q has rank {q.ndim} (shape {tuple(q.shape)}); {_FORMS}")
   bsz, t, h, dk = q.shape
@@ -71,14 +74,19 @@ def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
   hv = v.shape[2]
   per_channel = tuple(a.shape) == (bsz, t, hv, dk)
   if require_per_channel and not per_channel:
-    raise ValueError(f"kda needs the per-channel gate: a must have shape "
-                     f"[B, T, HV, K] = {(bsz, t, hv, dk)}; got "
-                     f"{tuple(a.shape)}")
+    raise ValueError(f"{'gdn2' if w is not None else 'kda'} needs the "
+                     f"per-channel gate: a must have shape [B, T, HV, K] = "
+                     f"{(bsz, t, hv, dk)}; got {tuple(a.shape)}")
   if not per_channel and tuple(a.shape) != (bsz, t, hv):
     raise ValueError(f"a must have shape [B, T, HV] = {(bsz, t, hv)} (scalar "
                      f"gate) or [B, T, HV, K] = {(bsz, t, hv, dk)} "
                      f"(per-channel gate); got {tuple(a.shape)}")
-  _check_shape("b", b, (bsz, t, hv), "[B, T, HV]")
+  if w is None:
+    _check_shape("b", b, (bsz, t, hv), "[B, T, HV]")
+  else:
+    _check_shape("b", b, (bsz, t, hv, dk), "[B, T, HV, K] (the erase gate)")
+    _check_shape("w", w, (bsz, t, hv, v.shape[-1]),
+                 "[B, T, HV, V] (the write gate)")
   if initial_state is not None:
     _check_float("initial_state", initial_state)
     _check_shape("initial_state", initial_state, (n_states, hv, dk, v.shape[-1]),
@@ -87,6 +95,8 @@ def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
   if t == 0 or dk == 0 or v.shape[-1] == 0:
     raise ValueError(f"T, K and V must be positive; got q {tuple(q.shape)}, "
                      f"v {tuple(v.shape)}")
+  if w is not None:
+    return "gdn2"
   return "channel" if per_channel else "head"
 
 
@@ -149,7 +159,8 @@ def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
     a: the log decay, ``<= 0`` (``-inf`` forgets fully); with ``A_log`` the
       gate input, which like ``A_log`` and ``dt_bias`` must not be NaN.
     b: beta in ``[0, 2]``, so ``[0, 1]`` when ``allow_neg_eigval`` doubles
-      it; with ``beta_sigmoid`` logits, not NaN.
+      it; with ``beta_sigmoid`` logits, not NaN; or Gated DeltaNet-2's
+      ``(b, w)``, both in ``[0, 2]``.
     cu_seqlens: None, or ``[N + 1]``: starts at 0, non-decreasing, ends at
       T, ``a.shape[1]``.
   """
@@ -162,7 +173,10 @@ def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
     checks += [(name, x, ~jnp.isnan(x), "must not be NaN")
                for name, x in (("a", a), ("A_log", A_log),
                                ("dt_bias", dt_bias)) if x is not None]
-  if beta_sigmoid:
+  if isinstance(b, tuple):  # Gated DeltaNet-2's erase and write gates
+    checks += [(name, x, (x >= 0) & (x <= 2), "must be in [0, 2]")
+               for name, x in zip(("b", "w"), b)]
+  elif beta_sigmoid:
     checks.append(("b", b, ~jnp.isnan(b), "must not be NaN"))
   elif allow_neg_eigval:
     checks.append(("b", b, (b >= 0) & (b <= 1),
@@ -219,23 +233,27 @@ def _check_options(impl: str, chunk_size) -> int:
   return chunk_size
 
 
-def _to_rank4(q, k, v, a, b, initial_state):
+def _to_rank4(q, k, v, a, b, initial_state, w=None):
   """Adds unit batch and head axes to the rank-2 single-head form."""
   if k.ndim != 2 or v.ndim != 2:
     raise ValueError(f"q has rank 2, so k and v must be [T, K] and [T, V]; got "
                      f"k {tuple(k.shape)}, v {tuple(v.shape)}; {_FORMS}")
-  if a.ndim not in (1, 2) or b.ndim != 1:
+  if w is not None and (a.ndim, b.ndim, w.ndim) != (2, 2, 2):
+    raise ValueError(f"for q of rank 2, gdn2's a and b must be [T, K] and w "
+                     f"[T, V]; got a {tuple(a.shape)}, b {tuple(b.shape)}, w "
+                     f"{tuple(w.shape)}")
+  if w is None and (a.ndim not in (1, 2) or b.ndim != 1):
     raise ValueError(f"for q of rank 2, a must be [T] or [T, K] and b [T]; got "
                      f"a {tuple(a.shape)}, b {tuple(b.shape)}; {_FORMS}")
   q, k, v = (x[None, :, None, :] for x in (q, k, v))
   a = a[None, :, None] if a.ndim == 1 else a[None, :, None, :]
-  b = b[None, :, None]
+  b = b[None, :, None] if b.ndim == 1 else b[None, :, None, :]
   if initial_state is not None:
     if initial_state.ndim != 2:
       raise ValueError(f"for q of rank 2, initial_state must be [K, V]; got "
                        f"{tuple(initial_state.shape)}")
     initial_state = initial_state[None, None]
-  return q, k, v, a, b, initial_state
+  return q, k, v, a, b, initial_state, None if w is None else w[None, :, None]
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
@@ -261,7 +279,7 @@ def _fused_inputs(q, k, a, b, *, use_qk_l2norm, A_log, dt_bias, beta_sigmoid,
       a = a + dt_bias.astype(dtype)
     rate = jnp.exp(A_log.astype(dtype))
     a = -(rate if a.ndim == 3 else rate[:, None]) * jax.nn.softplus(a)
-  b = b.astype(dtype)
+  b = jax.tree.map(lambda x: x.astype(dtype), b)
   if beta_sigmoid:
     b = jax.nn.sigmoid(b)
   if allow_neg_eigval:
@@ -310,21 +328,25 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
     initial_state = jnp.zeros_like(v, dtype, shape=(n_states, hv, dk, dv))
   initial_state = initial_state.astype(dtype)
   cut = None if segment_ids is None else _segment_cuts(segment_ids, a)
+  if isinstance(b, tuple):
+    gate = "gdn2"
+  else:
+    gate = "head" if a.shape[-1] == 1 else "channel"
   fn = registry.select(
-      impl, gate="head" if a.shape[-1] == 1 else "channel", length=t,
+      impl, gate=gate, length=t,
       chunk_size=chunk_size, packed=segment_ids is not None
       or cu_seqlens is not None, grouped=hv != q.shape[2]).fn
   call = functools.partial(fn, scale=scale, chunk_size=chunk_size)
   if cu_seqlens is None:
     padded = common.round_up(t, chunk_size)
-    q, k, v, a, b, cut = (None if x is None else common.pad_axis(x, 1, padded)
-                          for x in (q, k, v, a, b, cut))
+    q, k, v, a, b, cut = jax.tree.map(lambda x: common.pad_axis(x, 1, padded),
+                                      (q, k, v, a, b, cut))
     o, final_state = call(q, k, v, a, b, initial_state, cut, None)
     return o[:, :t], final_state
   layout = common.chunk_layout(cu_seqlens, t, chunk_size)
   n_chunks = layout.chunk_seq.shape[0]
-  q, k, v, a, b = (_to_layout(x, layout, n_chunks, chunk_size)
-                   for x in (q, k, v, a, b))
+  q, k, v, a, b = jax.tree.map(
+      lambda x: _to_layout(x, layout, n_chunks, chunk_size), (q, k, v, a, b))
   o, final_state = call(q, k, v, a, b, initial_state, None, layout.chunk_seq)
   final_state = jnp.where(layout.empty[:, None, None, None], initial_state,
                           final_state)
@@ -401,18 +423,62 @@ def kda(q, k, v, a, b, *, scale=None, initial_state=None,
   return _gated_delta(**locals(), require_per_channel=True)
 
 
+def gdn2(q, k, v, a, b, w, *, scale=None, initial_state=None,
+         return_final_state=False, segment_ids=None, cu_seqlens=None,
+         use_qk_l2norm=False, A_log=None, dt_bias=None, impl="auto",
+         chunk_size=64):
+  """Gated DeltaNet-2: KDA's per-channel decay with channel-wise erase and
+  write gates in place of beta.
+
+  For each token, with the state ``S`` of shape ``[K, V]``::
+
+      S <- S * exp(a_t)                              # per row
+      S <- S + k_t (w_t * v_t - S^T (b_t * k_t))^T   # erase, then write
+      o_t = S^T (scale * q_t)
+
+  (the paper's ``S_t = (I - k (b * k)^T) Diag(exp a) S + k (w * v)^T``).
+  With ``b`` and ``w`` both beta it is :func:`kda`.
+
+  Args:
+    q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (grouped value heads as in
+      :func:`gated_delta`).
+    a: per-channel log decay ``[B, T, HV, K]`` (with ``A_log``, the gate
+      input, as in :func:`kda`).
+    b: erase gate ``[B, T, HV, K]``, in ``[0, 2]`` (usually a sigmoid).
+    w: write gate ``[B, T, HV, V]``, in ``[0, 2]``.
+    The other arguments as in :func:`gated_delta`; the rank-2 form takes
+    ``a, b [T, K]``, ``w [T, V]``.
+
+  Implementations: "scan" and "chunked" (``impl="auto"`` picks between
+  them); the Pallas kernels do not support it yet.
+
+  Returns:
+    ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)``.
+  """
+  return _gated_delta(q, k, v, a, b, w=w, scale=scale,
+                      initial_state=initial_state,
+                      return_final_state=return_final_state,
+                      segment_ids=segment_ids, cu_seqlens=cu_seqlens,
+                      use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                      dt_bias=dt_bias, beta_sigmoid=False,
+                      allow_neg_eigval=False, impl=impl,
+                      chunk_size=chunk_size, require_per_channel=True)
+
+
 def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
                  segment_ids, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
                  beta_sigmoid, allow_neg_eigval, impl, chunk_size,
-                 require_per_channel):
+                 require_per_channel, w=None):
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
+  w = None if w is None else jnp.asarray(w)
   chunk_size = _check_options(impl, chunk_size)
   single_head = q.ndim == 2
   if single_head:
     if segment_ids is not None or cu_seqlens is not None:
       raise ValueError("segment_ids and cu_seqlens need the rank-4 form "
                        "q [B, T, H, K]")
-    q, k, v, a, b, initial_state = _to_rank4(q, k, v, a, b, initial_state)
+    q, k, v, a, b, initial_state, w = _to_rank4(q, k, v, a, b, initial_state,
+                                                w)
   if segment_ids is not None and cu_seqlens is not None:
     raise ValueError("pass segment_ids or cu_seqlens, not both")
   n_states = q.shape[0] if q.ndim == 4 else 1
@@ -434,7 +500,7 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
     initial_state = jnp.asarray(initial_state)
   gate = _check_inputs(q, k, v, a, b, initial_state,
                        require_per_channel=require_per_channel,
-                       n_states=n_states)
+                       n_states=n_states, w=w)
   A_log, dt_bias = (None if x is None else jnp.asarray(x)
                     for x in (A_log, dt_bias))
   _check_gate_parameters(a, A_log, dt_bias, gate)
@@ -443,7 +509,8 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
                      "dt_bias))")
   scale = _check_scale(scale, q.shape[-1])
   o, final_state = _run(
-      q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
+      q, k, v, a, b if w is None else (b, w), initial_state, segment_ids,
+      cu_seqlens, A_log, dt_bias,
       scale=scale, impl=impl, chunk_size=chunk_size,
       use_qk_l2norm=bool(use_qk_l2norm), beta_sigmoid=bool(beta_sigmoid),
       allow_neg_eigval=bool(allow_neg_eigval))

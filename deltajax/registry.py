@@ -24,8 +24,9 @@ CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk
   ``HV = G H`` (value head ``j`` reads query/key head ``j // G``), T a
   multiple of ``chunk_size``.
 * a ``[B, T, HV, W]`` (``W = 1``: scalar gate; ``W = K``: per channel),
-  finite, ``<= 0``; b ``[B, T, HV]``; both in the compute dtype (float32,
-  float64 for float64 inputs).
+  finite, ``<= 0``; b ``[B, T, HV]``, or for the "gdn2" gate the pair
+  ``(erase [B, T, HV, K], write [B, T, HV, V])``; in the compute dtype
+  (float32, float64 for float64 inputs).
 * initial_state ``[N, HV, K, V]`` in the compute dtype; ``N = B`` unless
   ``chunk_seq`` is given.
 * cut: None, or bool of a's shape: the state before the token is discarded.
@@ -38,7 +39,9 @@ CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk
   and initial_state (``jax.custom_vjp``).
 """
 
-GATES = ("head", "channel")  # "head": a [B, T, HV]; "channel": [B, T, HV, K]
+# "head": a [B, T, HV]; "channel": [B, T, HV, K]; "gdn2": a per channel, and
+# b Gated DeltaNet-2's pair of erase and write gates.
+GATES = ("head", "channel", "gdn2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,7 @@ REGISTRY = {
         "chunked", chunked.gated_delta_chunked, gates=GATES,
         chunk_sizes=CHUNK_SIZES),
     "pallas": Implementation(
-        "pallas", pallas.gated_delta_pallas, gates=GATES,
+        "pallas", pallas.gated_delta_pallas, gates=("head", "channel"),
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY),
 }
@@ -127,7 +130,8 @@ IMPLEMENTATIONS = ("auto", *REGISTRY)
 # gate kind): benchmarks/cpu_auto.py, B = 2, H = 4, K = V = 64, float32
 # (RESULTS.md, "CPU: scan against chunked"); for the per-channel gate at every
 # length measured (up to 1024, 2 to 10x).
-SCAN_BELOW = {"head": 1024, "channel": float("inf")}
+SCAN_BELOW = {"head": 1024, "channel": float("inf"),
+              "gdn2": float("inf")}  # as the per-channel gate (not measured)
 
 
 def select(impl: str, *, gate: str, length: int, chunk_size: int,

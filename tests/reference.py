@@ -7,6 +7,10 @@
   k^T) + b v k^T``), an initial state, and the final state.
 * :func:`plain_scan`: the same recurrence as a plain ``lax.scan`` in jnp, with
   no custom VJP, so that ``jax.vjp`` gives the autodiff gradients.
+* :func:`plain_scan_gdn2`: that rule as a plain differentiable ``lax.scan``.
+* :func:`ref_gdn2`: Gated DeltaNet-2 (Hatamizadeh, Choi and Kautz, 2026) as
+  the paper writes it, ``S_t = (I - k (b * k)^T) Diag(exp a) S_{t-1} + k (w *
+  v)^T`` with ``S [K, V]``, in numpy float64.
 
 Neither applies a query scale; call deltajax with ``scale=1.0`` to compare.
 """
@@ -135,3 +139,53 @@ def segment_by_segment(q, k, v, a, b, initial_state, segment_ids):
     outputs.append(jnp.concatenate(pieces, axis=1))
     finals.append(state)
   return jnp.concatenate(outputs, axis=0), jnp.concatenate(finals, axis=0)
+
+
+def ref_gdn2(q, k, v, a, b, w, initial_state=None):
+  """Gated DeltaNet-2 token by token, in the paper's form.
+
+  Args:
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+    a: per-channel log decay ``[B, T, H, K]``; b: erase gate ``[B, T, H, K]``;
+    w: write gate ``[B, T, H, V]``.
+    initial_state: ``[B, H, K, V]`` or None (zeros).
+
+  Returns:
+    ``(o, final_state)``: ``o_t = S_t^T q_t`` ``[B, T, H, V]`` and
+    ``[B, H, K, V]``, float64.
+  """
+  q, k, v, a, b, w = (np.asarray(x, np.float64) for x in (q, k, v, a, b, w))
+  bsz, t_len, heads, dk = q.shape
+  dv = v.shape[-1]
+  o = np.zeros((bsz, t_len, heads, dv))
+  final_state = np.zeros((bsz, heads, dk, dv))
+  for i in range(bsz):
+    for h in range(heads):
+      s = (np.zeros((dk, dv)) if initial_state is None
+           else np.asarray(initial_state[i, h], np.float64))
+      for t in range(t_len):
+        kt = k[i, t, h]
+        erase = np.eye(dk) - np.outer(kt, b[i, t, h] * kt)
+        s = (erase @ np.diag(np.exp(a[i, t, h])) @ s
+             + np.outer(kt, w[i, t, h] * v[i, t, h]))
+        o[i, t, h] = s.T @ q[i, t, h]
+      final_state[i, h] = s
+  return o, final_state
+
+
+def plain_scan_gdn2(q, k, v, a, b, w, initial_state):
+  """:func:`ref_gdn2` as a differentiable ``lax.scan`` (no scale, no custom
+  VJP); the same arguments, ``initial_state`` required."""
+  dk = q.shape[-1]
+
+  def token(s, x):
+    """``s [B, H, K, V]``: ``S <- (I - k (b k)^T) Diag(e^a) S + k (w v)^T``."""
+    qt, kt, vt, at, bt, wt = x
+    erase = jnp.eye(dk) - kt[..., :, None] * (bt * kt)[..., None, :]
+    s = (erase @ (jnp.exp(at)[..., :, None] * s)
+         + kt[..., :, None] * (wt * vt)[..., None, :])
+    return s, jnp.einsum("bhkv,bhk->bhv", s, qt)
+
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, a, b, w))
+  s, o = lax.scan(token, initial_state, xs)
+  return jnp.moveaxis(o, 0, 1), s

@@ -175,7 +175,7 @@ def test_auto_never_picks_an_implementation_without_the_feature(feature):
         registry.select(name, **call)
 
 
-@pytest.mark.parametrize("gate", ("head", "channel"))
+@pytest.mark.parametrize("gate", registry.GATES)
 def test_auto_picks_an_implementation_that_supports_the_gate(gate):
   for length in (16, 4096):
     chosen = registry.select("auto", gate=gate, length=length, chunk_size=64,
@@ -183,7 +183,7 @@ def test_auto_picks_an_implementation_that_supports_the_gate(gate):
     assert gate in chosen.gates and chosen.runs_natively()
 
 
-@pytest.mark.parametrize("gate", ("head", "channel"))
+@pytest.mark.parametrize("gate", registry.GATES)
 def test_auto_on_a_gpu_picks_pallas_only_for_its_auto_gates(gate, monkeypatch):
   """On a GPU (faked here), "auto" takes the kernels for the gates they have
   been timed on and the jnp chunked form for the others."""
@@ -194,5 +194,11 @@ def test_auto_on_a_gpu_picks_pallas_only_for_its_auto_gates(gate, monkeypatch):
                            packed=False, grouped=False)
   expected = "pallas" if gate in pallas_impl.chosen_by_auto() else "chunked"
   assert chosen.name == expected
-  assert registry.select("pallas", gate=gate, length=4096, chunk_size=64,
-                         packed=False, grouped=False) is pallas_impl
+  by_name = functools.partial(registry.select, "pallas", gate=gate,
+                              length=4096, chunk_size=64, packed=False,
+                              grouped=False)
+  if gate in pallas_impl.gates:
+    assert by_name() is pallas_impl
+  else:
+    with pytest.raises(ValueError, match=f"no {gate!r} gate"):
+      by_name()
