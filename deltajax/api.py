@@ -519,15 +519,18 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
   return (o, final_state) if return_final_state else o
 
 
-def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
-  """One decoding step of the gated delta rule.
+def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
+                     impl="auto"):
+  """One decoding step of the gated delta rule (or of Gated DeltaNet-2).
 
   Args:
     state: ``[B, HV, K, V]``.
     q, k: ``[B, H, K]``; v: ``[B, HV, V]`` (``HV = G H``, value head ``j``
       reads query/key head ``j // G``).
     a: ``[B, HV]`` (scalar gate) or ``[B, HV, K]`` (per-channel gate).
-    b: ``[B, HV]``.
+    b: ``[B, HV]``; with ``w``, Gated DeltaNet-2's erase gate ``[B, HV, K]``.
+    w: None, or Gated DeltaNet-2's write gate ``[B, HV, V]`` (then a is per
+      channel; :func:`gdn2`); the jnp step only.
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
       interpret mode off the GPU) or "auto", which is "jnp" everywhere for
@@ -544,9 +547,11 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
     float32 (float64 for float64 inputs).
   """
   state, q, k, v, a, b = (jnp.asarray(x) for x in (state, q, k, v, a, b))
+  w = None if w is None else jnp.asarray(w)
   for name, x in (("state", state), ("q", q), ("k", k), ("v", v), ("a", a),
-                  ("b", b)):
-    _check_float(name, x)
+                  ("b", b), ("w", w)):
+    if x is not None:
+      _check_float(name, x)
   if q.ndim != 3:
     raise ValueError(f"q must have shape [B, H, K]; got {tuple(q.shape)}")
   bsz, h, dk = q.shape
@@ -558,11 +563,19 @@ def gated_delta_step(state, q, k, v, a, b, *, scale=None, impl="auto"):
   if tuple(a.shape) not in ((bsz, hv), (bsz, hv, dk)):
     raise ValueError(f"a must have shape [B, HV] = {(bsz, hv)} or [B, HV, K] "
                      f"= {(bsz, hv, dk)}; got {tuple(a.shape)}")
-  _check_shape("b", b, (bsz, hv), "[B, HV]")
   _check_shape("state", state, (bsz, hv, dk, v.shape[-1]), "[B, HV, K, V]")
   scale = _check_scale(scale, dk)
-  return _step(state, q, k, v, a, b, scale=scale,
-               impl=_step_impl(impl))
+  impl = _step_impl(impl)
+  if w is None:
+    _check_shape("b", b, (bsz, hv), "[B, HV]")
+    return _step(state, q, k, v, a, b, scale=scale, impl=impl)
+  _check_shape("a", a, (bsz, hv, dk), "[B, HV, K] (gdn2's per-channel gate)")
+  _check_shape("b", b, (bsz, hv, dk), "[B, HV, K] (the erase gate)")
+  _check_shape("w", w, v.shape, "[B, HV, V] (the write gate)")
+  if impl == "pallas":
+    raise ValueError("impl='pallas' has no step for Gated DeltaNet-2's gates "
+                     "(w); use impl='jnp' or 'auto'")
+  return _step(state, q, k, v, a, (b, w), scale=scale, impl=impl)
 
 
 def _step_impl(impl: str) -> str:
@@ -590,7 +603,7 @@ def _jnp_step(state, q, k, v, a, b, scale):
   a = a[..., None] if a.ndim == 2 else a
   new_state, o = common.token_step(
       state, q.astype(dtype) * scale, k.astype(dtype), v.astype(dtype), a,
-      b.astype(dtype))
+      jax.tree.map(lambda x: x.astype(dtype), b))
   return o.astype(v.dtype), new_state
 
 
