@@ -40,7 +40,7 @@ from deltajax import common
 def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
                         head_axis=None, scale=None, initial_state=None,
                         return_final_state=False, segment_ids=None,
-                        impl="auto", chunk_size=64):
+                        impl="auto", chunk_size=64, w=None):
   """:func:`deltajax.gated_delta` with B and/or H split over axes of ``mesh``.
 
   Each device runs its slice with no communication.
@@ -53,12 +53,14 @@ def gated_delta_sharded(q, k, v, a, b, *, mesh, batch_axis=None,
       split); B and H must be divisible by their sizes.
     scale, return_final_state, segment_ids, impl, chunk_size: as for
       :func:`deltajax.gated_delta`.
+    w: None, or Gated DeltaNet-2's write gate ``[B, T, HV, V]``; then ``b``
+      is its erase gate ``[B, T, HV, K]`` (:func:`deltajax.gdn2`).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` or ``(o, final_state)``, sharded like the inputs.
   """
   o, final_state = _across_devices(
-      q, k, v, a, b, initial_state, segment_ids, mesh=mesh,
+      q, k, v, a, b, w, initial_state, segment_ids, mesh=mesh,
       batch_axis=batch_axis, seq_axis=None, head_axis=head_axis, scale=scale,
       impl=impl, chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
@@ -68,7 +70,7 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
                                   scale=None, initial_state=None,
                                   return_final_state=False, segment_ids=None,
                                   impl="auto", chunk_size=64, batch_axis=None,
-                                  head_axis=None):
+                                  head_axis=None, w=None):
   """:func:`deltajax.gated_delta` with T split across the devices of a mesh axis.
 
   Device ``d`` of ``axis_name`` holds tokens ``[d T / D, (d + 1) T / D)``;
@@ -91,25 +93,36 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
       document may span devices). ``cu_seqlens`` is not supported here:
       pass its documents as ``segment_ids`` of one row.
     batch_axis, head_axis: optional further mesh axes that split B and H.
+    w: None, or Gated DeltaNet-2's write gate ``[B, T, HV, V]``; then ``b``
+      is its erase gate ``[B, T, HV, K]`` (:func:`deltajax.gdn2`).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` or ``(o, final_state)``, as
     :func:`deltajax.gated_delta` returns them.
   """
   o, final_state = _across_devices(
-      q, k, v, a, b, initial_state, segment_ids, mesh=mesh,
+      q, k, v, a, b, w, initial_state, segment_ids, mesh=mesh,
       batch_axis=batch_axis, seq_axis=axis_name, head_axis=head_axis,
       scale=scale, impl=impl, chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
 
 
-def _across_devices(q, k, v, a, b, initial_state, segment_ids, *, mesh,
+def _rule(q, k, v, a, b, w, **options):
+  """:func:`deltajax.gated_delta`, or :func:`deltajax.gdn2` with the write
+  gate ``w``."""
+  if w is None:
+    return api.gated_delta(q, k, v, a, b, **options)
+  return api.gdn2(q, k, v, a, b, w, **options)
+
+
+def _across_devices(q, k, v, a, b, w, initial_state, segment_ids, *, mesh,
                     batch_axis, seq_axis, head_axis, **options):
   """Checks the global inputs, then runs :func:`_shard_mapped`."""
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
+  w = None if w is None else jnp.asarray(w)
   if segment_ids is not None:
     segment_ids = jnp.asarray(segment_ids)
-  _check_inputs(q, k, v, a, b, initial_state, segment_ids, options)
+  _check_inputs(q, k, v, a, b, w, initial_state, segment_ids, options)
   _check_axes(q, mesh, batch_axis=batch_axis, head_axis=head_axis,
               axis_name=seq_axis)
   if seq_axis is not None and q.shape[1] % mesh.shape[seq_axis]:
@@ -118,19 +131,21 @@ def _across_devices(q, k, v, a, b, initial_state, segment_ids, *, mesh,
         f"devices of mesh axis {seq_axis!r}. Pad the sequence at its end "
         f"with tokens a = 0, b = 0 (they leave the state unchanged) and drop "
         f"their outputs.")
-  return _shard_mapped(q, k, v, a, b, _initial_state(q, k, v, initial_state),
-                       segment_ids, mesh=mesh, batch_axis=batch_axis, seq_axis=seq_axis,
+  return _shard_mapped(q, k, v, a, b, w,
+                       _initial_state(q, k, v, initial_state), segment_ids, mesh=mesh, batch_axis=batch_axis, seq_axis=seq_axis,
                        head_axis=head_axis, **options)
 
 
-def _check_inputs(q, k, v, a, b, initial_state, segment_ids, options) -> None:
-  """Raises :func:`deltajax.gated_delta`'s errors for the global shapes."""
+def _check_inputs(q, k, v, a, b, w, initial_state, segment_ids,
+                  options) -> None:
+  """Raises :func:`deltajax.gated_delta`'s (or gdn2's) errors for the
+  global shapes."""
   shapes = [None if x is None else jax.ShapeDtypeStruct(jnp.shape(x),
                                                         jnp.result_type(x))
-            for x in (q, k, v, a, b, initial_state, segment_ids)]
+            for x in (q, k, v, a, b, w, initial_state, segment_ids)]
   jax.eval_shape(
-      lambda *x: api.gated_delta(*x[:5], initial_state=x[5],
-                                 segment_ids=x[6], **options),
+      lambda *x: _rule(*x[:6], initial_state=x[6], segment_ids=x[7],
+                       **options),
       *shapes)
   if q.ndim != 4:
     raise ValueError(f"across devices, q, k must have shape [B, T, H, K]; got "
@@ -162,11 +177,11 @@ def _initial_state(q, k, v, initial_state):
   return jnp.asarray(initial_state).astype(dtype)
 
 
-def _specs(a, *, batch_axis, seq_axis, head_axis):
-  """PartitionSpecs of ``(q, k, v, a, b, state, segment_ids)``."""
+def _specs(a, b, w, *, batch_axis, seq_axis, head_axis):
+  """PartitionSpecs of ``(q, k, v, a, b, w, state, segment_ids)``."""
   x = P(batch_axis, seq_axis, head_axis, None)
-  gate = x if a.ndim == 4 else P(batch_axis, seq_axis, head_axis)
-  return (x, x, x, gate, P(batch_axis, seq_axis, head_axis),
+  gate = lambda g: x if g.ndim == 4 else P(batch_axis, seq_axis, head_axis)
+  return (x, x, x, gate(a), gate(b), None if w is None else x,
           P(batch_axis, head_axis, None, None), P(batch_axis, seq_axis))
 
 
@@ -189,31 +204,31 @@ def _reshard(xs, mesh, specs):
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "batch_axis", "seq_axis", "head_axis", "scale", "impl",
     "chunk_size"))
-def _shard_mapped(q, k, v, a, b, initial_state, segment_ids, *, mesh,
+def _shard_mapped(q, k, v, a, b, w, initial_state, segment_ids, *, mesh,
                   batch_axis, seq_axis, head_axis, scale, impl, chunk_size):
   """shard_map of gated_delta, or of :func:`_segment` when T is split."""
   options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
   if seq_axis is None:
-    per_device = lambda q, k, v, a, b, s, ids: api.gated_delta(
-        q, k, v, a, b, initial_state=s, segment_ids=ids,
+    per_device = lambda q, k, v, a, b, w, s, ids: _rule(
+        q, k, v, a, b, w, initial_state=s, segment_ids=ids,
         return_final_state=True, **options)
   else:
     per_device = functools.partial(_segment, axis_name=seq_axis, **options)
-  specs = _specs(a, batch_axis=batch_axis, seq_axis=seq_axis,
+  specs = _specs(a, b, w, batch_axis=batch_axis, seq_axis=seq_axis,
                  head_axis=head_axis)
   if segment_ids is None:
-    specs = (*specs[:6], None)
+    specs = (*specs[:7], None)
   # check_vma=True would need every pallas_call output to declare the mesh
   # axes it varies over; the tests compare the gradients of the unchecked
   # mode with the single-device ones.
   return jax.shard_map(
-      per_device, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[5]),
-      check_vma=False)(*_reshard((q, k, v, a, b, initial_state, segment_ids),
-                                 mesh, specs))
+      per_device, mesh=mesh, in_specs=specs, out_specs=(specs[2], specs[6]),
+      check_vma=False)(*_reshard((q, k, v, a, b, w, initial_state,
+                                  segment_ids), mesh, specs))
 
 
-def _segment(q, k, v, a, b, initial_state, segment_ids, *, axis_name, scale,
-             impl, chunk_size):
+def _segment(q, k, v, a, b, w, initial_state, segment_ids, *, axis_name,
+             scale, impl, chunk_size):
   """One device's segment: local shapes ``[B, T/D, H, ...]``.
 
   Returns ``o`` ``[B, T/D, HV, V]`` and the final state ``[B, HV, K, V]`` of
@@ -228,8 +243,8 @@ def _segment(q, k, v, a, b, initial_state, segment_ids, *, axis_name, scale,
         [(i, i + 1) for i in range(lax.axis_size(axis_name) - 1)])
     carries = ((lax.axis_index(axis_name) == 0)
                | (previous_last == segment_ids[:, 0]))
-  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, segment_ids, carries,
-                                        scale=scale, impl=impl,
+  o_zero, p, f, g = _segment_affine_map(q, k, v, a, b, w, segment_ids,
+                                        carries, scale=scale, impl=impl,
                                         chunk_size=chunk_size)
   s_in = _segment_initial_state(f, g, initial_state, axis_name)
   o = o_zero + common.einsum("bthk,bhkv->bthv", p, s_in)
@@ -239,8 +254,8 @@ def _segment(q, k, v, a, b, initial_state, segment_ids, *, axis_name, scale,
   return o.astype(v.dtype), final_state
 
 
-def _segment_affine_map(q, k, v, a, b, segment_ids, carries, *, scale, impl,
-                        chunk_size):
+def _segment_affine_map(q, k, v, a, b, w, segment_ids, carries, *, scale,
+                        impl, chunk_size):
   """The segment as an affine function of its initial state ``S_in``.
 
   ``carries`` (``[B]`` bool or None) says whether ``S_in`` enters each row
@@ -256,14 +271,16 @@ def _segment_affine_map(q, k, v, a, b, segment_ids, carries, *, scale, impl,
   # The extra value columns are zeros, in v's dtype: 16-bit inputs keep the
   # 16-bit kernels.
   v_aug = jnp.concatenate([v, jnp.zeros((bsz, t, hv, dk), v.dtype)], axis=-1)
+  if w is not None:  # the write gate of the zero columns is irrelevant
+    w = jnp.concatenate([w, jnp.zeros((bsz, t, hv, dk), w.dtype)], axis=-1)
   identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, hv, dk, dk))
   if carries is not None:
     identity = identity * carries[:, None, None, None].astype(dtype)
   s_aug = jnp.concatenate([jnp.zeros((bsz, hv, dk, dv), dtype), identity],
                           axis=-1)
-  o, s = api.gated_delta(q, k, v_aug, a, b, scale=scale, initial_state=s_aug,
-                         return_final_state=True, segment_ids=segment_ids,
-                         impl=impl, chunk_size=chunk_size)
+  o, s = _rule(q, k, v_aug, a, b, w, scale=scale, initial_state=s_aug,
+               return_final_state=True, segment_ids=segment_ids, impl=impl,
+               chunk_size=chunk_size)
   return o[..., :dv], o[..., dv:], s[..., dv:], s[..., :dv]
 
 

@@ -21,6 +21,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import re
 
@@ -280,6 +281,50 @@ def check_sequence_parallel_hlo():
          map_elements=map_elements, q_elements=int(np.prod(x["q"].shape)))
 
 
+def check_gdn2():
+  """Gated DeltaNet-2 (erase gate b [K], write gate w [V]): T split over 4
+  devices with a document spanning two, and B split over 2, against the
+  plain gdn2 call; outputs and all seven gradients."""
+  x = inputs(30, per_channel=True)
+  rng = np.random.default_rng(31)
+  x["b"] = rng.uniform(0.1, 0.9, x["a"].shape).astype(np.float32)
+  w = rng.uniform(0.1, 0.9, x["v"].shape).astype(np.float32)
+  ids = np.zeros((2, 96), np.int32)
+  ids[1, 40:] = 1
+
+  def values_and_grads_gdn2(fn):
+    def loss(q, k, v, a, b, w, s0):
+      o, final_state = fn(q, k, v, a, b, w=w, initial_state=s0,
+                          return_final_state=True)
+      return jnp.sum(o * x["d_o"]) + jnp.sum(final_state * x["d_final"]), (
+          o, final_state)
+    args = [x[n] for n in ("q", "k", "v", "a", "b")] + [w, x["initial_state"]]
+    grads, (o, final_state) = jax.jit(
+        jax.grad(loss, argnums=range(7), has_aux=True))(*args)
+    return (o, final_state, *grads)
+
+  names = ("o", "final_state", "dq", "dk", "dv", "da", "db", "dw",
+           "d_initial_state")
+  errors = lambda got, want: {
+      n: float(np.max(np.abs(np.asarray(g) - np.asarray(r)))
+               / np.max(np.abs(np.asarray(r))))
+      for n, g, r in zip(names, got, want)}
+  for impl in ("scan", "chunked"):
+    options = dict(impl=impl, chunk_size=8, segment_ids=ids)
+    want = values_and_grads_gdn2(
+        lambda q, k, v, a, b, w, **kw: deltajax.gdn2(q, k, v, a, b, w, **kw,
+                                                     **options))
+    for name, fn in (
+        ("sequence4", functools.partial(
+            parallel.gated_delta_sequence_parallel,
+            mesh=mesh_of((4,), ("sp",)), axis_name="sp")),
+        ("batch2", functools.partial(parallel.gated_delta_sharded,
+                                     mesh=mesh_of((2,), ("data",)),
+                                     batch_axis="data"))):
+      got = values_and_grads_gdn2(functools.partial(fn, **options))
+      emit("gdn2", f"{name}-{impl}", errors=errors(got, want))
+
+
 def main():
   assert jax.device_count() == 8, jax.devices()
   check_sequence_parallel()
@@ -290,6 +335,7 @@ def main():
   check_sharded_wrapper()
   check_inside_user_shard_map()
   check_sequence_parallel_hlo()
+  check_gdn2()
 
 
 if __name__ == "__main__":

@@ -108,3 +108,14 @@ def test_sequence_parallel_moves_only_segment_maps(results, pass_):
       for shape in re.findall(r"\w+\[([\d,]*)\]", t):
         elements = np.prod([int(d) for d in shape.split(",") if d])
         assert elements <= row["map_elements"] < row["q_elements"], (op, t)
+
+
+@pytest.mark.parametrize("name", ["sequence4-scan", "sequence4-chunked",
+                                  "batch2-scan", "batch2-chunked"])
+def test_gdn2_across_devices(results, name):
+  """Gated DeltaNet-2 with T split over 4 devices (a document spanning two)
+  or B over 2: outputs and all seven gradients as on one device."""
+  row = group(results, "gdn2")[name]
+  assert set(row["errors"]) == {"o", "final_state", "dq", "dk", "dv", "da",
+                                "db", "dw", "d_initial_state"}
+  assert_close(row)
