@@ -47,7 +47,7 @@ from deltajax import api
 from deltajax import common
 
 __all__ = ["CHUNK_SIZES", "DeltaCache", "DeltaNet", "DeltaRuleLayer",
-           "GatedDeltaNet", "KimiDeltaAttention", "OUTPUT_GATES", "a_log_init",
+           "GatedDeltaNet", "GatedDeltaNet2", "KimiDeltaAttention", "OUTPUT_GATES", "a_log_init",
            "causal_depthwise_conv", "conv_kernel_init", "dt_bias_init",
            "l2_normalize"]
 
@@ -179,7 +179,7 @@ class DeltaRuleLayer(nnx.Module):
     param_dtype: dtype of the parameters.
   """
 
-  gate: ClassVar[str]  # "head", "channel" or "none"
+  gate: ClassVar[str]  # "head", "channel", "gdn2" or "none"
 
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs,
                num_v_heads: int | None = None, head_dim: int | None = None,
@@ -247,8 +247,12 @@ class DeltaRuleLayer(nnx.Module):
     self.qkv_proj = linear(d_model, self._qkv_width)
     self.conv_kernel = nnx.Param(conv_kernel_init(
         rngs.params(), (conv_size, self._qkv_width), param_dtype))
-    self.b_proj = linear(d_model, hv)
-    gate_width = {"head": 1, "channel": dk, "none": 0}[self.gate]
+    # beta, or Gated DeltaNet-2's erase gate (per key channel) and write
+    # gate (per value channel).
+    self.b_proj = linear(d_model, hv * (dk if self.gate == "gdn2" else 1))
+    if self.gate == "gdn2":
+      self.w_proj = linear(d_model, hv * dv)
+    gate_width = {"head": 1, "channel": dk, "gdn2": dk, "none": 0}[self.gate]
     if gate_width:
       self.a_proj = projection(d_model, hv * gate_width, gate_rank)
       self.A_log = nnx.Param(a_log_init(rngs.params(), (hv,), param_dtype))
@@ -315,13 +319,12 @@ class DeltaRuleLayer(nnx.Module):
     # Normalised in float32 and handed to the rule in the layer's dtype (the
     # kernels' dots run in it, as fla's layers do).
     q, k = (l2_normalize(z, divide=self.l2_divide) for z in (q, k))
-    beta = nnx.sigmoid(self.b_proj(x).astype(jnp.float32))
-    if self.allow_neg_eigval:
-      beta = 2.0 * beta
+    beta = self._write_strength(x)
     a = self.log_decay(x)
     if mask is not None:
-      a = jnp.where(mask.reshape(bsz, t, *(1,) * (a.ndim - 2)), a, 0.0)
-      beta = jnp.where(mask[..., None], beta, 0.0)
+      masked = lambda z: jnp.where(mask.reshape(bsz, t, *(1,) * (z.ndim - 2)),
+                                   z, 0.0)
+      a, beta = masked(a), jax.tree.map(masked, beta)
     if cache is None:
       o = self._rule(q, k, v, a, beta, segment_ids=segment_ids)
     else:
@@ -365,7 +368,7 @@ class DeltaRuleLayer(nnx.Module):
     """``a = -exp(A_log) softplus(x W_a + dt_bias)``, float32.
 
     ``[B, T, HV]`` for a per-head gate (zeros without one), ``[B, T, HV, K]``
-    for a per-channel gate.
+    for a per-channel gate (KDA's, Gated DeltaNet-2's).
     """
     bsz, t, _ = x.shape
     if self.gate == "none":
@@ -373,9 +376,24 @@ class DeltaRuleLayer(nnx.Module):
     z = self.a_proj(x).astype(jnp.float32)
     z = z.reshape(bsz, t, *self.dt_bias.shape) + self.dt_bias[...]
     rate = jnp.exp(self.A_log[...].astype(jnp.float32))
-    if self.gate == "channel":
+    if self.gate != "head":
       rate = rate[:, None]
     return -rate * jax.nn.softplus(z)
+
+  def _write_strength(self, x: jax.Array):
+    """beta ``= sigmoid(x W_b)`` ``[B, T, HV]`` (doubled with
+    ``allow_neg_eigval``); for Gated DeltaNet-2 the pair ``(erase [B, T, HV,
+    K], write [B, T, HV, V])``, sigmoids of ``x W_b`` and ``x W_w`` (the
+    erase gate doubled with ``allow_neg_eigval``). float32."""
+    bsz, t, _ = x.shape
+    beta = nnx.sigmoid(self.b_proj(x).astype(jnp.float32))
+    if self.allow_neg_eigval:
+      beta = 2.0 * beta
+    if self.gate != "gdn2":
+      return beta
+    write = nnx.sigmoid(self.w_proj(x).astype(jnp.float32))
+    return (beta.reshape(bsz, t, self.num_v_heads, self.head_dim),
+            write.reshape(bsz, t, self.num_v_heads, self.value_head_dim))
 
   def _gated_norm(self, o: jax.Array, x: jax.Array) -> jax.Array:
     """``RMSNorm(o) * act(x W_g)`` per value head, in float32; ``[B, T, HV, V]`` in the layer's dtype."""
@@ -393,9 +411,12 @@ class DeltaRuleLayer(nnx.Module):
             v.reshape(bsz, t, self.num_v_heads, self.value_head_dim))
 
   def _rule(self, q, k, v, a, beta, **options):
-    """:func:`deltajax.gated_delta` with the layer's ``impl`` and ``chunk_size``."""
-    return api.gated_delta(q, k, v, a, beta, impl=self.impl,
-                           chunk_size=self.chunk_size, **options)
+    """:func:`deltajax.gated_delta` (:func:`deltajax.gdn2` for the pair of
+    gates) with the layer's ``impl`` and ``chunk_size``."""
+    options = dict(impl=self.impl, chunk_size=self.chunk_size, **options)
+    if isinstance(beta, tuple):
+      return api.gdn2(q, k, v, a, *beta, **options)
+    return api.gated_delta(q, k, v, a, beta, **options)
 
   def _continue(self, state, q, k, v, a, beta):
     """Runs the rule from ``state``; one token takes :func:`deltajax.gated_delta_step`.
@@ -403,8 +424,10 @@ class DeltaRuleLayer(nnx.Module):
     Returns ``(o [B, T, HV, V], final_state [B, HV, K, V])``.
     """
     if q.shape[1] == 1:
-      o, state = api.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0],
-                                      a[:, 0], beta[:, 0])
+      erase, write = beta if isinstance(beta, tuple) else (beta, None)
+      o, state = api.gated_delta_step(
+          state, q[:, 0], k[:, 0], v[:, 0], a[:, 0], erase[:, 0],
+          w=None if write is None else write[:, 0])
       return o[:, None], state
     return self._rule(q, k, v, a, beta, initial_state=state,
                       return_final_state=True)
@@ -427,6 +450,19 @@ class KimiDeltaAttention(DeltaRuleLayer):
   :func:`deltajax.kda`.
   """
   gate = "channel"
+
+
+class GatedDeltaNet2(DeltaRuleLayer):
+  """Gated DeltaNet-2 (Hatamizadeh, Choi & Kautz, 2026): KDA's per-channel
+  decay, with beta split into an erase gate ``sigmoid(x W_b)`` per key
+  channel ``[B, T, HV, K]`` and a write gate ``sigmoid(x W_w)`` per value
+  channel ``[B, T, HV, V]``.
+
+  ``GatedDeltaNet2(d_model, num_heads, rngs=rngs, **options)``; the options
+  are those of :class:`DeltaRuleLayer`. The same computation as
+  :func:`deltajax.gdn2`.
+  """
+  gate = "gdn2"
 
 
 class DeltaNet(DeltaRuleLayer):

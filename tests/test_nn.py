@@ -10,7 +10,8 @@ from flax import nnx
 
 from deltajax import nn
 
-LAYERS = (nn.GatedDeltaNet, nn.KimiDeltaAttention, nn.DeltaNet)
+LAYERS = (nn.GatedDeltaNet, nn.KimiDeltaAttention, nn.GatedDeltaNet2,
+          nn.DeltaNet)
 D_MODEL, HEADS = 32, 2
 
 
@@ -55,6 +56,7 @@ def test_causal_depthwise_conv_matches_numpy_and_continues_from_history():
 @pytest.mark.parametrize("cls, expected", [
     (nn.GatedDeltaNet, (2, 5, HEADS)),
     (nn.KimiDeltaAttention, (2, 5, HEADS, D_MODEL // HEADS)),
+    (nn.GatedDeltaNet2, (2, 5, HEADS, D_MODEL // HEADS)),
     (nn.DeltaNet, (2, 5, HEADS)),
 ])
 def test_log_decay_shape_and_sign(cls, expected):
@@ -111,7 +113,8 @@ def test_final_cache_state_matches_one_call(cls):
   np.testing.assert_allclose(cache.conv, prefilled.conv)
 
 
-@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention])
+@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention,
+                                 nn.GatedDeltaNet2])
 def test_scan_and_chunked_layers_agree(cls):
   x = _inputs((2, 12, D_MODEL))
   y_scan = _layer(cls, impl="scan", chunk_size=16)(x)
@@ -406,3 +409,23 @@ def test_invalid_layer_options_name_the_argument(options, error, message):
 def test_invalid_call_arguments_name_the_argument(call, error, message):
   with pytest.raises(error, match=message):
     call(_layer(nn.GatedDeltaNet, num_v_heads=4))
+
+
+def test_gated_deltanet2_layer_is_gdn2_of_its_gates(monkeypatch):
+  """The layer's rule is deltajax.gdn2 with b = sigmoid(x W_b) per key
+  channel and w = sigmoid(x W_w) per value channel."""
+  layer = _layer(nn.GatedDeltaNet2, head_dim=8, value_head_dim=12)
+  x = _inputs((2, 6, D_MODEL))
+  erase, write = layer._write_strength(x)  # pylint: disable=protected-access
+  assert erase.shape == (2, 6, HEADS, 8) and write.shape == (2, 6, HEADS, 12)
+  assert layer.b_proj.kernel.shape == (D_MODEL, HEADS * 8)
+  assert layer.w_proj.kernel.shape == (D_MODEL, HEADS * 12)
+  seen, gdn2 = [], nn.api.gdn2
+
+  def spy(*args, **options):
+    seen.append(args)
+    return gdn2(*args, **options)
+  monkeypatch.setattr(nn.api, "gdn2", spy)
+  layer(x)
+  np.testing.assert_allclose(seen[0][4], erase, rtol=1e-6)
+  np.testing.assert_allclose(seen[0][5], write, rtol=1e-6)
