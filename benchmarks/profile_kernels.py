@@ -26,8 +26,9 @@ VARIANTS = {
                      for bv, w, s, bk in ((64, 4, 3, None), (64, 4, 2, None),
                                           (32, 4, 2, None), (64, 4, None, 64),
                                           (64, 4, None, 32), (32, 4, None, 64))],
-    "output": [core.Launch(block_v=bv, num_warps=4, num_stages=1)
-               for bv in (128, 64)],
+    "output": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
+               for bv, w, s in ((128, 4, 1), (64, 4, 1), (128, 8, 1),
+                                (64, 8, 1), (64, 4, 2))],
     "w_u": [core.Launch(num_warps=w, num_stages=1) for w in (4, 2)],
     "output_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
@@ -53,8 +54,10 @@ def stage_inputs(shape, gate="gdn", c=64):
   q, k, v, a, b, do = make_inputs(shape, gate=gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a = jnp.asarray(a) if channel else jnp.asarray(a)[..., None]
-  g, beta, _ = ops._gates(a, jnp.asarray(b), None, c, jnp.float32, shape[3],
-                          False)
+  g, beta, _, decayed = ops._gates(a, jnp.asarray(b), None, c, jnp.float32,
+                                   shape[3], False, from_start=(q, k),
+                                   to_end=(k,))
+  qg, kg, kd = decayed or (None, None, None)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.KernelConfig(interpret=False)
   fixed = lambda fn, **kw: functools.partial(
@@ -81,10 +84,11 @@ def stage_inputs(shape, gate="gdn", c=64):
     arrays["inverse"].update(g=None, a=a_kk)
   t = run("inverse", **arrays["inverse"])
   arrays["forward_scan"] = dict(k=k, v=v, g=g, b=beta, cuts=None,
-                                chunk_seq=None, initial_state=s0, t=t)
+                                chunk_seq=None, initial_state=s0, t=t,
+                                decayed=(kg, kd) if channel else None)
   delta, states, _ = run("forward_scan", **arrays["forward_scan"])
   arrays["output"] = dict(q=q, k=k, g=g, cuts=None, p=p, states=states,
-                          delta=delta)
+                          delta=delta, qg=qg)
   _, delta = run("output", **arrays["output"])  # the backward's copy
   arrays["w_u"] = dict(k=k, v=v, g=g, b=beta, cuts=None, t=t)
   w, u = run("w_u", **arrays["w_u"])
@@ -94,7 +98,8 @@ def stage_inputs(shape, gate="gdn", c=64):
                                        **arrays["output_backward"])
   arrays["backward_scan"] = dict(q=q, k=k, g=g, cuts=None, chunk_seq=None,
                                  d_o=do, d_final=s0, w=w,
-                                 d_delta_local=dd_local)
+                                 d_delta_local=dd_local,
+                                 decayed=(qg, kd) if channel else None)
   d_delta, d_next, _ = run("backward_scan", **arrays["backward_scan"])
   arrays["ut_backward"] = dict(
       k=k, v=v, g=g, b=beta, cuts=None, t=t, w=w, u=u, states=states,

@@ -119,7 +119,7 @@ def interpret_mode() -> bool:
 
 
 def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
-         name: str, aliases=None, **static):
+         name: str, aliases=None, as_tuple=False, **static):
   """``pl.pallas_call`` through Triton (or interpreted), with named refs.
 
   Args:
@@ -130,9 +130,11 @@ def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
     outputs: ``{name: (ShapeDtypeStruct, BlockSpec)}``.
     aliases: ``{input name: output name}``: the output is written into the
       input's buffer (``input_output_aliases``; same shape and dtype).
+    as_tuple: a tuple even for one output.
 
   Returns:
-    the outputs, in the order of ``outputs`` (a tuple when there are several).
+    the outputs, in the order of ``outputs`` (a tuple when there are several,
+    or ``as_tuple``).
   """
   present = [n for n, (x, _) in inputs.items() if x is not None]
   absent = {n: None for n, (x, _) in inputs.items() if x is None}
@@ -141,13 +143,13 @@ def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
   def body(*refs):
     kernel(**dict(zip(present + out_names, refs)), **absent, **static)
 
-  single = len(out_names) == 1
+  one = len(out_names) == 1
   out_specs = [outputs[n][1] for n in out_names]
   out_shape = [outputs[n][0] for n in out_names]
   fn = pl.pallas_call(
       body, grid=grid, in_specs=[inputs[n][1] for n in present],
-      out_specs=out_specs[0] if single else out_specs,
-      out_shape=out_shape[0] if single else out_shape,
+      out_specs=out_specs[0] if one else out_specs,
+      out_shape=out_shape[0] if one else out_shape,
       interpret=interpret, name=name,
       input_output_aliases={present.index(i): out_names.index(o)
                             for i, o in (aliases or {}).items()},
@@ -159,7 +161,9 @@ def call(kernel, *, grid, inputs, outputs, launch: Launch, interpret: bool,
     warnings.filterwarnings("ignore", category=DeprecationWarning,
                             message=".*[Tt]riton.*")
     result = fn(*[inputs[n][0] for n in present])
-  return result if single else tuple(result)
+  if one:
+    return (result,) if as_tuple else result
+  return tuple(result)
 
 
 def block(*shape):

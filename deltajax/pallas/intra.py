@@ -114,32 +114,63 @@ def _diagonal_columns(g_ref, y_ref, start, ks, step, init):
   return lax.fori_loop(0, SUB, column, init)
 
 
-def _chunk_gates_kernel(*, a_ref, g_ref):
-  g_ref[...] = jnp.cumsum(a_ref[...].astype(g_ref.dtype), axis=0)
+def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, **decayed):
+  """g, and the inputs ``x_start_i``/``x_end_i`` times the decay from the
+  chunk's entry state to each token (``e^g``) or from each token to the
+  chunk's end (``e^{g_C - g}``), into ``out_start_i``/``out_end_i``."""
+  g = jnp.cumsum(a_ref[...].astype(g_ref.dtype), axis=0)
+  g_ref[...] = g
+  cuts = None if cuts_ref is None else cuts_ref[...]
+  decays = dict(
+      start=lambda: core.from_start(g, cuts),
+      end=lambda: core.to_end(g, core.last(g), cuts,
+                              None if cuts is None else core.last(cuts)))
+  for side, decay in decays.items():
+    names = sorted(n for n in decayed if n.startswith(f"x_{side}_"))
+    e = decay() if names else None
+    for name in names:
+      out = decayed[name.replace("x_", "out_")]
+      out[...] = (decayed[name][...].astype(g.dtype) * e).astype(out.dtype)
 
 
-def chunk_gates(a, *, chunk_size, interpret):
-  """The chunk-local cumulative gate of a per-channel log gate.
+def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
+                interpret):
+  """The chunk-local cumulative gate of a per-channel log gate, and key-side
+  operands decayed by it (so that the sequential scans take no exponentials).
 
   Args:
     a: ``[B, T, HV, K]``, float32 (float64), K a power of two.
+    cuts: ``[B, HV, T]`` int32 chunk-local cumulative cut count, or None.
+    from_start, to_end: arrays ``x [B, T, H, K]`` (value head j reads head
+      ``j // G``), each to be returned times ``e^g`` (the decay from the
+      chunk's entry state to each token) or ``e^{g_C - g}`` (from each token
+      to the chunk's end); the decays are 0 across a cut.
 
   Returns:
-    ``g [B, HV, T, K]``: ``g_t = sum of a_s`` over the tokens ``s <= t`` of
-    t's chunk.
+    ``(g, starts, ends)``: ``g [B, HV, T, K]`` with ``g_t = sum of a_s`` over
+    the tokens ``s <= t`` of t's chunk; ``starts``, ``ends``: tuples of
+    ``[B, T, HV, K]`` in each x's dtype, in the order given.
   """
   bsz, t_len, heads, dk = a.shape
   c = chunk_size
-  return core.call(
-      _chunk_gates_kernel, grid=(bsz, heads, t_len // c),
-      inputs=dict(a_ref=(a, core.block(None, c, None, dk)(
-          lambda i, j, n: (i, n, j, 0)))),
-      outputs=dict(g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk),
-                                               a.dtype),
-                          core.block(None, None, c, dk)(
-                              lambda i, j, n: (i, j, n, 0)))),
-      launch=core.Launch(num_warps=4), interpret=interpret,
-      name="deltajax_chunk_gates")
+  rows = lambda x: core.block(None, c, None, dk)(
+      lambda i, j, n: (i, n, core.qk_head(j, heads // x.shape[2]), 0))
+  inputs = dict(a_ref=(a, rows(a)), cuts_ref=(cuts, core.block(None, None, c)(
+      lambda i, j, n: (i, j, n))))
+  outputs = dict(g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk),
+                                             a.dtype),
+                        core.block(None, None, c, dk)(
+                            lambda i, j, n: (i, j, n, 0))))
+  for side, xs in (("start", from_start), ("end", to_end)):
+    for i, x in enumerate(xs):
+      inputs[f"x_{side}_{i}"] = (x, rows(x))
+      outputs[f"out_{side}_{i}"] = (
+          jax.ShapeDtypeStruct((bsz, t_len, heads, dk), x.dtype), rows(a))
+  g, *decayed = core.call(
+      _chunk_gates_kernel, grid=(bsz, heads, t_len // c), inputs=inputs,
+      outputs=outputs, launch=core.Launch(num_warps=4), interpret=interpret,
+      name="deltajax_chunk_gates", as_tuple=True)
+  return g, tuple(decayed[:len(from_start)]), tuple(decayed[len(from_start):])
 
 
 def _store_scores(*, p_ref, a_ref, cuts_ref, start, qk, kk, scale):

@@ -88,13 +88,15 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                  initial_state, cut, chunk_seq)
 
 
-def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret):
+def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
+           to_end=()):
   """``[B, T, HV, W]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
   the chunk-local cumulative gate, ``[B, HV, T]`` (W = 1) or
-  ``[B, HV, T, k_dim]`` (W = K, padded channels 0;
-  :func:`intra.chunk_gates`), beta ``[B, HV, T]`` and the cumulative cut
-  count (int32 ``[B, HV, T]``, or None; a cut is per token). The gate of a
-  cut token is irrelevant: it is taken as 0."""
+  ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]``, the
+  cumulative cut count (int32 ``[B, HV, T]``, or None; a cut is per token)
+  and, for W = K, the operands ``from_start`` and ``to_end`` decayed by the
+  gate (:func:`intra.chunk_gates`; None for W = 1). The gate of a cut token
+  is irrelevant: it is taken as 0."""
   bsz, t_len, heads, width = a.shape
   to_heads = lambda x: jnp.moveaxis(x, 1, 2)
   chunk_cumsum = lambda x: jnp.cumsum(
@@ -105,12 +107,13 @@ def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret):
   if cut is not None:
     a = jnp.where(cut, 0, a)
     cuts = chunk_cumsum(to_heads(cut[..., 0]).astype(jnp.int32))
+  beta = jnp.transpose(b, (0, 2, 1)).astype(dtype)
   if width == 1:
-    g = chunk_cumsum(to_heads(a[..., 0]))
-  else:
-    g = intra.chunk_gates(common.pad_axis(a, 3, k_dim), chunk_size=chunk_size,
-                          interpret=interpret)
-  return g, jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
+    return chunk_cumsum(to_heads(a[..., 0])), beta, cuts, None
+  g, starts, ends = intra.chunk_gates(
+      common.pad_axis(a, 3, k_dim), cuts=cuts, from_start=from_start,
+      to_end=to_end, chunk_size=chunk_size, interpret=interpret)
+  return g, beta, cuts, starts + ends
 
 
 def _pad_state(s, k_dim, v_dim):
@@ -147,8 +150,11 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                         config.interpret)
+  # Per channel: Q e^g for the output, K e^g and K e^{g_C - g} for the scan.
+  g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                                  config.interpret, from_start=(qp, kp),
+                                  to_end=(kp,))
+  qg, *keys = decayed or (None,)
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   heads = v.shape[2]
@@ -163,9 +169,10 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
     p = None
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
-      initial_state=s0, launch=launch("forward_scan"), **shared)
+      initial_state=s0, decayed=keys or None, launch=launch("forward_scan"),
+      **shared)
   o, delta = output.output(
-      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p,
+      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, qg=qg,
       scale=scale, out_dtype=v.dtype, launch=launch("output"), **shared)
   final = final[..., :q.shape[-1], :v.shape[-1]]
   if chunk_seq is not None:
@@ -189,8 +196,10 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  g, beta, cuts = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                         config.interpret)
+  # Per channel: Q e^g and K e^{g_C - g} for the backward scan.
+  g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                                  config.interpret, from_start=(qp,),
+                                  to_end=(kp,))
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
@@ -202,7 +211,7 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       scale=scale, launch=launch("output_backward"), **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
-      d_delta_local=d_delta, d_final=d_final_p, scale=scale,
+      d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)
   dk, dv, db, da, *d_m = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,

@@ -17,24 +17,25 @@ from deltajax.pallas import scores
 
 
 def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
-                   o_ref, scale, dot, low_ref=None):
-  q = q_ref[...]
-  dtype, acc = q.dtype, core.accumulator(q.dtype)
-  g = g_ref[...].astype(acc)
-  cuts = None if cuts_ref is None else cuts_ref[...]
-  if p_ref is None:
-    qk = scores.scores(x=q, y=k_ref[...], g=g, cuts=cuts, strict=False,
-                       dot=dot).matrix
-    p = qk * scale
+                   qg_ref, o_ref, scale, dot, low_ref=None):
+  dtype = s_ref.dtype
+  acc = core.accumulator(dtype)
+  if qg_ref is None:  # a scalar gate: the scores are formed here
+    q = q_ref[...]
+    g = g_ref[...].astype(acc)
+    cuts = None if cuts_ref is None else cuts_ref[...]
+    p = scale * scores.scores(x=q, y=k_ref[...], g=g, cuts=cuts,
+                              strict=False, dot=dot).matrix
+    read = dot((q.astype(acc) * core.on_keys(
+        scale * core.from_start(g, cuts))).astype(dtype), s_ref[...])
   else:
     p = p_ref[...].astype(acc)
-  qg = q.astype(acc) * core.on_keys(scale * core.from_start(g, cuts))
+    read = scale * dot(qg_ref[...], s_ref[...])
   # P Delta in float32: with aligned keys and a long memory, rounding P and
   # Delta to 16 bits would cost o 2e-3 of relative error each
   # (benchmarks/RESULTS.md, run G).
   delta = delta_ref[...]
-  o = (dot(qg.astype(dtype), s_ref[...].astype(dtype))
-       + dot.of_float32(dtype)(p, delta.astype(acc)))
+  o = read + dot.of_float32(dtype)(p, delta.astype(acc))
   o_ref[...] = o.astype(o_ref.dtype)
   if low_ref is not None:  # the backward's copy of Delta
     low_ref[...] = delta.astype(low_ref.dtype)
@@ -88,15 +89,15 @@ def _specs(chunk_size, groups, dk, dv):
 
 
 def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
-           launch, interpret, dot):
+           launch, interpret, dot, qg=None):
   """Chunk outputs.
 
   Args:
-    q, k: ``[B, T, H, K]``; g: ``[B, HV, T]`` (``[B, HV, T, K]`` per
-    channel); cuts: ``[B, HV, T]`` int32 or None;
-    states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``; p: None for a
-    scalar gate (the kernel forms the scores), else ``[B, HV, T, C]`` from
-    :func:`intra.forward`.
+    q, k: ``[B, T, H, K]``; g: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or
+    None; states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``; for a
+    per-channel gate, p: ``[B, HV, T, C]`` from :func:`intra.forward` and
+    qg: ``Q e^g [B, T, HV, K]`` from :func:`intra.chunk_gates` (q, k, g and
+    cuts are then not read).
 
   Returns:
     ``(o, delta)``, ``[B, T, HV, V]`` in ``out_dtype``: the outputs, and
@@ -109,12 +110,14 @@ def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
   sp = _specs(chunk_size, heads // h, dk, bv)
   values = jax.ShapeDtypeStruct(delta.shape, out_dtype)
   low = {} if out_dtype == delta.dtype else dict(low_ref=(values, sp["vals"]))
+  if qg is not None:
+    q = k = g = cuts = None
   result = core.call(
       _output_kernel, grid=(bsz, heads, t_len // chunk_size, dv // bv),
       inputs=dict(q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]),
-                  g_ref=(g, sp["g"](g)), cuts_ref=(cuts, sp["gate"]),
+                  g_ref=(g, sp["gate"]), cuts_ref=(cuts, sp["gate"]),
                   s_ref=(states, sp["state"]), delta_ref=(delta, sp["vals"]),
-                  p_ref=(p, sp["square"])),
+                  p_ref=(p, sp["square"]), qg_ref=(qg, sp["keys"])),
       outputs=dict(o_ref=(values, sp["vals"]), **low),
       launch=launch, interpret=interpret, name="deltajax_output",
       scale=scale, dot=dot)
