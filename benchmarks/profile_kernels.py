@@ -21,21 +21,17 @@ VARIANTS = {
     "inverse": [core.Launch(num_warps=w, num_stages=1) for w in (1, 2)],
     "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
               for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
-    "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
-                                 block_k=bk)
-                     for bv, w, s, bk in ((64, 4, 3, None), (64, 4, 2, None),
-                                          (32, 4, 2, None), (64, 4, None, 64),
-                                          (64, 4, None, 32), (32, 4, None, 64))],
+    "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
+                     for bv, w, s in ((64, 4, None), (64, 4, 2), (32, 4, 2),
+                                      (64, 8, None))],
     "output": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                for bv, w, s in ((128, 4, 1), (64, 4, 1), (128, 8, 1),
                                 (64, 8, 1), (64, 4, 2))],
     "w_u": [core.Launch(num_warps=w, num_stages=1) for w in (4, 2)],
     "output_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
-    "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1,
-                                  block_k=bk)
-                      for w, bk in ((8, None), (4, None), (8, 64), (8, 32),
-                                    (4, 64))],
+    "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1)
+                      for w in (8, 4)],
     "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
                                 block_k=bk)
                     for bv, w, s, bk in ((64, 4, 2, 64), (64, 4, 2, 32),
@@ -119,6 +115,9 @@ def main():
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--kernels", default=",".join(VARIANTS),
                       help="comma-separated kernels to time")
+  parser.add_argument("--of-16bit", default="bf16x3",
+                      help="comma-separated KernelConfig.of_16bit settings "
+                      "to time each launch with")
   parser.add_argument("--once", action="store_true",
                       help="run each kernel once with its default launch "
                       "(for a profiler such as ncu)")
@@ -131,20 +130,23 @@ def main():
       jax.block_until_ready(jax.jit(functools.partial(
           fn, launch=config.launch(name, args.gate == "kda")))(**arrays))
     return
-  print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
+  print(f"| kernel | launch | of_16bit | ms |  (shape {shape})\n"
+        "|---|---|---|---|")
   for name, variants in VARIANTS.items():
     timed = name in calls and name in args.kernels.split(",")
     for opts in variants if timed else ():
-      # Jitted with the arrays as arguments: an eager pallas_call is traced
-      # and compiled again at every call.
-      fn, arrays = calls[name]
-      fn = jax.jit(functools.partial(fn, launch=opts))
-      try:
-        ms = median_ms(lambda: fn(**arrays), 20)
-        print(f"| {name} | {opts} | {ms:.3f} |", flush=True)
-      except Exception as e:  # a launch that does not compile (e.g. smem)
-        print(f"| {name} | {opts} | failed: {str(e).splitlines()[0][:80]} |",
-              flush=True)
+      for of_16bit in args.of_16bit.split(","):
+        # Jitted with the arrays as arguments: an eager pallas_call is
+        # traced and compiled again at every call.
+        fn, arrays = calls[name]
+        fn = jax.jit(functools.partial(fn, launch=opts, dot=core.Dot(
+            interpret=False, of_16bit=of_16bit)))
+        try:
+          ms = median_ms(lambda: fn(**arrays), 20)
+          print(f"| {name} | {opts} | {of_16bit} | {ms:.3f} |", flush=True)
+        except Exception as e:  # a launch that does not compile (smem)
+          print(f"| {name} | {opts} | {of_16bit} | failed: "
+                f"{str(e).splitlines()[0][:80]} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,19 +46,19 @@ def _cut_tiles(cuts_ref, n, c):
   return cuts_ref[pl.ds(n * c, c)], cuts_ref[n * c + c - 1]
 
 
-def _gate_at(g_ref, idx, ks, acc):
-  """The gate at ``idx`` (tokens): ``[...]`` for a scalar gate, ``[..., k]``
-  (the channels ``ks``) for a per-channel one."""
-  return (g_ref[idx, ks] if len(g_ref.shape) == 2 else g_ref[idx]).astype(acc)
-
-
-def _scalar_gate_keys(g_ref, k_ref, n, c, cuts, cuts_end, dot):
-  """Chunk n's keys under a scalar gate: ``(X -> (K e^g) X, X -> (K e^{g_C -
-  g})^T X, e^{g_C})``, the per-token decays applied to the products' rows."""
-  rows = pl.ds(n * c, c)
-  acc = core.accumulator(k_ref.dtype)
-  g = g_ref[rows].astype(acc)
-  g_end = g_ref[n * c + c - 1].astype(acc)
+def _keys(g_ref, k_ref, kg_ref, kd_ref, n, c, cuts, cuts_end, dot):
+  """Chunk n's keys: ``(X -> (K e^g) X, X -> (K e^{g_C - g})^T X, e^{g_C})``.
+  A per-channel gate's keys come decayed (kg, kd; ``e^{g_C}`` is ``[K]``); a
+  scalar gate's per-token decays scale the products' rows."""
+  rows, end = pl.ds(n * c, c), n * c + c - 1
+  acc = core.accumulator(g_ref.dtype)
+  if kg_ref is not None:
+    g_end = g_ref[end, :].astype(acc)
+    dtype = kg_ref.dtype
+    return (lambda x: dot(kg_ref[rows, :], x.astype(dtype)),
+            lambda x: dot(kd_ref[rows, :], x.astype(dtype), trans_a=True),
+            core.over_chunk(g_end, cuts_end))
+  g, g_end = g_ref[rows].astype(acc), g_ref[end].astype(acc)
   k = k_ref[rows, :]
   e_in, e_out = core.from_start(g, cuts), core.to_end(g, g_end, cuts, cuts_end)
   return (lambda x: core.decayed_dot(e_in, k, x, dot),
@@ -68,135 +68,98 @@ def _scalar_gate_keys(g_ref, k_ref, n, c, cuts, cuts_end, dot):
 
 def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
                     s0_ref, kg_ref, kd_ref, delta_ref, states_ref, final_ref,
-                    chunk_size, block_k, dot):
+                    chunk_size, dot):
   """A per-channel gate comes as its decayed keys ``K e^g`` (kg) and ``K
-  e^{g_C - g}`` (kd); the state is then carried by blocks of ``block_k`` key
-  channels (a tuple of ``[k, BV]``)."""
+  e^{g_C - g}`` (kd), and k_ref is None."""
   c = chunk_size
   n_chunks = v_ref.shape[0] // c
   dtype, acc = v_ref.dtype, final_ref.dtype
-  dk = final_ref.shape[-2]
-  k_blocks = core.blocks(dk, dk if kg_ref is None else block_k)
-
-  def keys(n, rows, cuts, cuts_end):
-    """Per key block: ``(X -> (K e^g) X, X -> (K e^{g_C-g})^T X, e^{g_C})``."""
-    if kg_ref is None:
-      return [_scalar_gate_keys(g_ref, k_ref, n, c, cuts, cuts_end, dot)]
-    return [(lambda x, ks=ks: dot(kg_ref[rows, ks], x.astype(dtype)),
-             lambda x, ks=ks: dot(kd_ref[rows, ks], x.astype(dtype),
-                                  trans_a=True),
-             core.over_chunk(_gate_at(g_ref, n * c + c - 1, ks, acc),
-                             cuts_end)) for ks in k_blocks]
 
   def chunk(n, s):
     rows = pl.ds(n * c, c)
     if seq_ref is not None:
       seq, first, last = _boundaries(seq_ref, n, n_chunks)
-      s = lax.cond(first, lambda: tuple(s0_ref[seq, ks, :].astype(acc)
-                                        for ks in k_blocks), lambda: s)
-    for ks, s_k in zip(k_blocks, s):
-      states_ref[n, ks, :] = s_k.astype(states_ref.dtype)
+      s = lax.cond(first, lambda: s0_ref[seq].astype(acc), lambda: s)
+    states_ref[n] = s.astype(states_ref.dtype)
     beta = b_ref[rows].astype(acc)
-    per_block = keys(n, rows, *_cut_tiles(cuts_ref, n, c))
+    from_start, to_end, decay = _keys(g_ref, k_ref, kg_ref, kd_ref, n, c,
+                                      *_cut_tiles(cuts_ref, n, c), dot)
     # Delta = U - W S = T diag(b) (V - (K e^g) S): W and U are never formed.
-    y = v_ref[rows, :].astype(acc)
-    for (from_start, _, _), s_k in zip(per_block, s):
-      y -= from_start(s_k)
+    y = v_ref[rows, :].astype(acc) - from_start(s)
     delta = dot(t_ref[rows, :], (beta[:, None] * y).astype(dtype))
     delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-    s = tuple(core.on_state(decay) * s_k + to_end(delta)
-              for (_, to_end, decay), s_k in zip(per_block, s))
+    s = core.on_state(decay) * s + to_end(delta)
     if seq_ref is not None:
       @pl.when(last)
       def _():
-        for ks, s_k in zip(k_blocks, s):
-          final_ref[seq, ks, :] = s_k
+        final_ref[seq] = s
     return s
 
   if seq_ref is None:
-    final = lax.fori_loop(0, n_chunks, chunk, tuple(
-        s0_ref[ks, :].astype(acc) for ks in k_blocks))
-    for ks, s_k in zip(k_blocks, final):
-      final_ref[ks, :] = s_k
+    final_ref[...] = lax.fori_loop(0, n_chunks, chunk,
+                                   s0_ref[...].astype(acc))
   else:
-    lax.fori_loop(0, n_chunks, chunk, tuple(
-        jnp.zeros((ks.size, final_ref.shape[-1]), acc) for ks in k_blocks))
+    lax.fori_loop(0, n_chunks, chunk, jnp.zeros(final_ref.shape[-2:], acc))
 
 
 def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
                      dd_ref, dfinal_ref, qg_ref, kd_ref, d_delta_ref,
-                     d_next_ref, d_initial_ref, chunk_size, scale, block_k,
-                     dot):
-  """A per-channel gate comes as ``Q e^g`` (qg) and ``K e^{g_C - g}`` (kd);
-  the state cotangent is then carried by blocks of ``block_k`` key
-  channels."""
+                     d_next_ref, d_initial_ref, chunk_size, scale, dot):
+  """A per-channel gate comes as ``Q e^g`` (qg) and ``K e^{g_C - g}`` (kd),
+  and q_ref, k_ref are None."""
   c = chunk_size
   n_chunks = w_ref.shape[0] // c
   dtype, acc = w_ref.dtype, d_initial_ref.dtype
-  dk = w_ref.shape[1]
   decayed = qg_ref is not None
-  k_blocks = core.blocks(dk, block_k if decayed else dk)
 
   def load(n):
-    """Chunk n's tiles per key block: ``(queries, keys, w, gate, gate at the
-    chunk's end)``, the queries and keys decayed (and no gate) per channel."""
+    """Chunk n's tiles: ``(queries, keys, w, gate, gate at the chunk's
+    end)``, the queries and keys decayed (and no gate) per channel."""
     rows, end = pl.ds(n * c, c), n * c + c - 1
     if decayed:
-      per_block = tuple((qg_ref[rows, ks], kd_ref[rows, ks], w_ref[rows, ks],
-                         None, _gate_at(g_ref, end, ks, acc))
-                        for ks in k_blocks)
+      tiles = (qg_ref[rows, :], kd_ref[rows, :], w_ref[rows, :], None,
+               g_ref[end, :].astype(acc))
     else:
-      per_block = ((q_ref[rows, :], k_ref[rows, :], w_ref[rows, :],
-                    g_ref[rows].astype(acc), g_ref[end].astype(acc)),)
-    return (per_block, do_ref[rows, :], dd_ref[rows, :],
+      tiles = (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :],
+               g_ref[rows].astype(acc), g_ref[end].astype(acc))
+    return (tiles, do_ref[rows, :], dd_ref[rows, :],
             _cut_tiles(cuts_ref, n, c))
 
   def chunk(i, carry):
     # The previous chunk's tiles are loaded before this chunk's products, so
     # their latency is hidden (measured faster than Triton's pipelining here,
     # but slower in the forward scan).
-    ds, (per_block, d_o, dd, (cuts, cuts_end)) = carry
+    ds, ((q, k, w, g, g_end), d_o, dd, (cuts, cuts_end)) = carry
     n = n_chunks - 1 - i
     next_tiles = load(jnp.maximum(n - 1, 0))
     if seq_ref is not None:
       seq, first, last = _boundaries(seq_ref, n, n_chunks)
-      ds = lax.cond(last, lambda: tuple(dfinal_ref[seq, ks, :].astype(acc)
-                                        for ks in k_blocks), lambda: ds)
-    for ks, ds_k in zip(k_blocks, ds):
-      d_next_ref[n, ks, :] = ds_k.astype(d_next_ref.dtype)
-    d_delta = dd
-    for (_, k, _, g, g_end), ds_k in zip(per_block, ds):
-      d_delta += (dot(k, ds_k.astype(dtype)) if decayed else
-                  core.decayed_dot(core.to_end(g, g_end, cuts, cuts_end), k,
-                                   ds_k, dot))
+      ds = lax.cond(last, lambda: dfinal_ref[seq].astype(acc), lambda: ds)
+    d_next_ref[n] = ds.astype(d_next_ref.dtype)
+    d_o = d_o.astype(dtype)
+    if decayed:
+      d_delta = dd + dot(k, ds.astype(dtype))
+      read = scale * dot(q, d_o, trans_a=True)
+    else:
+      d_delta = dd + core.decayed_dot(core.to_end(g, g_end, cuts, cuts_end),
+                                      k, ds, dot)
+      read = dot((q.astype(acc) * core.on_keys(
+          scale * core.from_start(g, cuts))).astype(dtype), d_o, trans_a=True)
     d_delta_ref[pl.ds(n * c, c), :] = d_delta
-
-    def read(q, g):
-      """``(scale Q e^g)^T dO``."""
-      if decayed:
-        return scale * dot(q, d_o.astype(dtype), trans_a=True)
-      return dot((q.astype(acc) * core.on_keys(
-          scale * core.from_start(g, cuts))).astype(dtype),
-                 d_o.astype(dtype), trans_a=True)
-    ds = tuple(
-        read(q, g) + core.on_state(core.over_chunk(g_end, cuts_end)) * ds_k
-        - dot(w, d_delta.astype(dtype), trans_a=True)
-        for (q, _, w, g, g_end), ds_k in zip(per_block, ds))
+    # dS_in = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
+    ds = (read + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
+          - dot(w, d_delta.astype(dtype), trans_a=True))
     if seq_ref is not None:
       @pl.when(first)
       def _():
-        for ks, ds_k in zip(k_blocks, ds):
-          d_initial_ref[seq, ks, :] = ds_k
+        d_initial_ref[seq] = ds
     return ds, next_tiles
 
-  ds0 = (tuple(dfinal_ref[ks, :].astype(acc) for ks in k_blocks)
-         if seq_ref is None else
-         tuple(jnp.zeros((ks.size, d_initial_ref.shape[-1]), acc)
-               for ks in k_blocks))
+  ds0 = (dfinal_ref[...].astype(acc) if seq_ref is None
+         else jnp.zeros(d_initial_ref.shape[-2:], acc))
   ds, _ = lax.fori_loop(0, n_chunks, chunk, (ds0, load(n_chunks - 1)))
   if seq_ref is None:
-    for ks, ds_k in zip(k_blocks, ds):
-      d_initial_ref[ks, :] = ds_k
+    d_initial_ref[...] = ds
 
 
 def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
@@ -257,8 +220,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
     key_tiles = 1 if decayed is None else 2
     num_stages = _pipeline_stages(c * (c + key_tiles * dk + bv)
                                   * k.dtype.itemsize)
-  launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages,
-                       block_k=launch.block_k)
+  launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
   sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
                    None if chunk_seq is None else initial_state.shape[0], g)
   kg, kd = decayed or (None, None)
@@ -280,7 +242,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
           final_ref=(jax.ShapeDtypeStruct(initial_state.shape, acc),
                      sp["state"])),
       launch=launch, interpret=interpret, name="deltajax_state_forward",
-      chunk_size=c, block_k=launch.block_k or dk, dot=dot)
+      chunk_size=c, dot=dot)
 
 
 def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
@@ -333,5 +295,4 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
           d_initial_ref=(jax.ShapeDtypeStruct(d_final.shape, acc),
                          sp["state"])),
       launch=launch, interpret=interpret, name="deltajax_state_backward",
-      chunk_size=chunk_size, scale=scale, block_k=launch.block_k or dk,
-      dot=dot)
+      chunk_size=chunk_size, scale=scale, dot=dot)
