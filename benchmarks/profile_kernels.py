@@ -115,9 +115,6 @@ def main():
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--kernels", default=",".join(VARIANTS),
                       help="comma-separated kernels to time")
-  parser.add_argument("--of-16bit", default="bf16x3",
-                      help="comma-separated KernelConfig.of_16bit settings "
-                      "to time each launch with")
   parser.add_argument("--once", action="store_true",
                       help="run each kernel once with its default launch "
                       "(for a profiler such as ncu)")
@@ -130,23 +127,20 @@ def main():
       jax.block_until_ready(jax.jit(functools.partial(
           fn, launch=config.launch(name, args.gate == "kda")))(**arrays))
     return
-  print(f"| kernel | launch | of_16bit | ms |  (shape {shape})\n"
-        "|---|---|---|---|")
+  print(f"| kernel | launch | ms |  (shape {shape})\n|---|---|---|")
   for name, variants in VARIANTS.items():
     timed = name in calls and name in args.kernels.split(",")
     for opts in variants if timed else ():
-      for of_16bit in args.of_16bit.split(","):
-        # Jitted with the arrays as arguments: an eager pallas_call is
-        # traced and compiled again at every call.
-        fn, arrays = calls[name]
-        fn = jax.jit(functools.partial(fn, launch=opts, dot=core.Dot(
-            interpret=False, of_16bit=of_16bit)))
-        try:
-          ms = median_ms(lambda: fn(**arrays), 20)
-          print(f"| {name} | {opts} | {of_16bit} | {ms:.3f} |", flush=True)
-        except Exception as e:  # a launch that does not compile (smem)
-          print(f"| {name} | {opts} | {of_16bit} | failed: "
-                f"{str(e).splitlines()[0][:80]} |", flush=True)
+      # Jitted with the arrays as arguments: an eager pallas_call is traced
+      # and compiled again at every call.
+      fn, arrays = calls[name]
+      fn = jax.jit(functools.partial(fn, launch=opts))
+      try:
+        ms = median_ms(lambda: fn(**arrays), 20)
+        print(f"| {name} | {opts} | {ms:.3f} |", flush=True)
+      except Exception as e:  # a launch that does not compile (e.g. smem)
+        print(f"| {name} | {opts} | failed: {str(e).splitlines()[0][:80]} |",
+              flush=True)
 
 
 if __name__ == "__main__":

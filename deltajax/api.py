@@ -316,7 +316,6 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
       q, k, a, b, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
       beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
       dtype=dtype)
-  a = jnp.maximum(a, LOG_DECAY_FLOOR)
   if a.ndim == 3:
     a = a[..., None]
   bsz, t, _, dk = q.shape
@@ -599,7 +598,7 @@ def _jnp_step(state, q, k, v, a, b, scale):
   dtype = state.dtype
   groups = v.shape[1] // q.shape[1]
   q, k = (x if groups == 1 else jnp.repeat(x, groups, axis=1) for x in (q, k))
-  a = jnp.maximum(a.astype(dtype), LOG_DECAY_FLOOR)
+  a = common.floored(a.astype(dtype))
   a = a[..., None] if a.ndim == 2 else a
   new_state, o = common.token_step(
       state, q.astype(dtype) * scale, k.astype(dtype), v.astype(dtype), a,

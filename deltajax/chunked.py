@@ -111,7 +111,7 @@ def gated_delta_chunked(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   """
   groups = v.shape[2] // q.shape[2]
   q, k = (common.repeat_heads(x, groups) for x in (q, k))
-  return _chunked(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
+  return _chunked(q, k, v, common.floored(a), b, initial_state, cut, chunk_seq, scale,
                   chunk_size)
 
 

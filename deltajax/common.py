@@ -32,12 +32,19 @@ import numpy as np
 
 SUB = 16  # block size of the blocked triangular inverse
 
-# api clamps the log decay at this floor (a = -inf forgets fully): exp(-200)
-# is 0 in float32 and negligible in float64, and finite gates keep the
-# cumulative sums free of inf - inf. A token at the floor is a cut inside a
-# chunk (:meth:`ChunkGate.of`), so that the gates after it keep their
-# precision instead of sitting 200 below the chunk's start.
+# Every implementation clamps the log decay at this floor (a = -inf forgets
+# fully; :func:`floored`): exp(-200) is 0 in float32 and negligible in
+# float64, and finite gates keep the cumulative sums free of inf - inf. A
+# token at the floor is a cut inside a chunk (:meth:`ChunkGate.of`), so that
+# the gates after it keep their precision instead of sitting 200 below the
+# chunk's start.
 LOG_DECAY_FLOOR = -200.0
+
+
+def floored(a: jax.Array) -> jax.Array:
+  """The log decay clamped at :data:`LOG_DECAY_FLOOR` (its gradient is 0
+  below the floor)."""
+  return jnp.maximum(a, LOG_DECAY_FLOOR)
 
 
 def compute_dtype(*arrays) -> jnp.dtype:

@@ -50,7 +50,7 @@ def gated_delta_scan(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale,
   """
   groups = v.shape[2] // q.shape[2]
   q, k = (common.repeat_heads(x, groups) for x in (q, k))
-  return _scan(q, k, v, a, b, initial_state, cut, chunk_seq, scale, chunk_size)
+  return _scan(q, k, v, common.floored(a), b, initial_state, cut, chunk_seq, scale, chunk_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))

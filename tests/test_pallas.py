@@ -132,6 +132,23 @@ def test_inverse_with_decay_in_float64(c):
   np.testing.assert_allclose(got @ (np.eye(c) + a), np.eye(c), atol=1e-13)
 
 
+def test_split_product_keeps_16_mantissa_bits():
+  """Dot.split (the output's ``P Delta`` for 16-bit inputs on the GPU):
+  three bf16 products of float32 values err by about 2^-16, where one bf16
+  product errs by 2^-8; run as on the GPU (not interpreted), on the CPU."""
+  rng = np.random.default_rng(0)
+  p = rng.standard_normal((64, 64)).astype(np.float32)
+  delta = rng.standard_normal((64, 32)).astype(np.float32)
+  exact = p.astype(np.float64) @ delta.astype(np.float64)
+  dot = core.Dot(interpret=False)
+  rel = lambda x: np.sqrt(np.mean((np.asarray(x, np.float64) - exact) ** 2)
+                          / np.mean(exact ** 2))
+  split = rel(dot.split(jnp.bfloat16)(jnp.asarray(p), jnp.asarray(delta)))
+  single = rel(dot(jnp.asarray(p, jnp.bfloat16),
+                   jnp.asarray(delta, jnp.bfloat16)))
+  assert split < 2.0 ** -14 and single > 2.0 ** -10, (split, single)
+
+
 def test_pallas_mixed_input_dtypes():
   """bf16 q, k with float32 v reach the kernels in one dtype (a Triton dot
   needs it), match chunked, and each gradient comes back in its input's
@@ -459,3 +476,26 @@ def test_pallas_blocks_of_channels_change_nothing(per_channel):
     for r_i, g_i in zip(jax.tree.leaves(r), jax.tree.leaves(g)):
       err = np.max(np.abs(np.asarray(g_i) - np.asarray(r_i)))
       assert err <= 1e-12 * np.max(np.abs(np.asarray(r_i))), (name, err)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_pallas_full_forgets(per_channel):
+  """``a = -inf`` on some tokens (clamped at the floor inside the gate
+  kernel): outputs and every gradient as "chunked", float64, and da exactly
+  0 there."""
+  x = utils.random_inputs(11, batch=1, length=40, heads=2, key_dim=8,
+                          value_dim=8, per_channel=per_channel)
+  forget = np.arange(40) % 7 == 3
+  mask = forget[:, None] if x.a.ndim == 3 else forget[:, None, None]
+  x = x._replace(a=np.where(mask, -np.inf, x.a))
+  cotangents = utils.random_cotangents(12, x)
+  with jax.enable_x64(True):
+    args = tuple(jnp.asarray(t, jnp.float64) for t in x)
+    got, ref = (utils.vjp(functools.partial(utils.gated_delta, impl,
+                                            chunk_size=16), args, cotangents)
+                for impl in ("pallas", "chunked"))
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-10,
+                               atol=1e-10)
+  da = np.asarray(got[1][3])
+  assert np.all(da[:, forget] == 0)

@@ -47,10 +47,7 @@ class KernelConfig:
   ``interpret``: None picks interpret mode exactly when the default backend
   is not a GPU; :meth:`resolve` fixes it once per call of the entry point.
   ``precision``: float32 dots on the GPU, "tf32x3" (three TF32 passes, about
-  float32 accuracy), "tf32" or "ieee"; ``of_16bit``: float32 products formed
-  from 16-bit inputs (the scores, ``P Delta``), "bf16x3" (three bf16 passes,
-  16 mantissa bits) or "tf32" (one pass, 11 bits). Interpret mode computes
-  exactly.
+  float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
   """
   inverse: Launch = Launch(num_warps=1, num_stages=1)
   intra: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
@@ -70,7 +67,6 @@ class KernelConfig:
                              block_k=32)),)
   interpret: bool | None = None
   precision: str = "tf32x3"
-  of_16bit: str = "bf16x3"
 
   def launch(self, kernel: str, per_channel: bool) -> Launch:
     """The launch of ``kernel`` for a per-channel gate or a per-head one."""
@@ -86,8 +82,7 @@ class KernelConfig:
 
   @property
   def dot(self) -> Dot:
-    return Dot(interpret=bool(self.interpret), precision=self.precision,
-               of_16bit=self.of_16bit)
+    return Dot(interpret=bool(self.interpret), precision=self.precision)
 
 
 def padded_dim(d: int) -> int:
@@ -190,46 +185,49 @@ class Dot:
   """2-D matrix products with float32 accumulation (float64 for float64).
 
   16-bit operands use the tensor cores as they are. On the GPU, float32
-  operands use ``precision`` (see :class:`KernelConfig`), and float32 values
-  formed from 16-bit inputs ``of_16bit`` (:meth:`of_float32`); in interpret
-  mode every product is computed exactly (``Precision.HIGHEST``).
+  operands use ``precision`` (see :class:`KernelConfig`); in interpret mode
+  every product is computed exactly (``Precision.HIGHEST``).
   """
   interpret: bool
   precision: str = "tf32x3"
-  of_16bit: str = "bf16x3"
 
   def __call__(self, a, b, *, trans_a=False, trans_b=False, precision=None):
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    precision = precision or self.precision
+    algorithm = lax.Precision.HIGHEST
     if a.dtype == jnp.float32 and not self.interpret:
-      if precision == "bf16x3":
-        return self._split(a, b, trans_a=trans_a, trans_b=trans_b)
       algorithm = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
-                   "ieee": lax.Precision.HIGHEST}[precision]
-    else:
-      algorithm = lax.Precision.HIGHEST
+                   "ieee": lax.Precision.HIGHEST}[precision or self.precision]
     return lax.dot_general(a, b, dims, precision=algorithm,
                            preferred_element_type=accumulator(a.dtype))
 
-  def _split(self, a, b, **trans):
-    """A float32 product as three bf16 ones: each operand split into a bf16
-    high part and the bf16 rounding of the rest (16 mantissa bits), the
-    product of the two rests dropped."""
-    def split(x):
+  def of_float32(self, dtype):
+    """Products of float32 values formed from ``dtype`` inputs: one TF32
+    pass for 16-bit inputs (whose own rounding is coarser), ``precision``
+    otherwise."""
+    low = jnp.dtype(dtype).itemsize < 4
+    return lambda a, b, **kw: self(a, b, precision="tf32" if low else None,
+                                   **kw)
+
+  def split(self, dtype):
+    """Like :meth:`of_float32`, but for 16-bit inputs three bf16 passes:
+    each float32 operand split into its bf16 rounding and the bf16 rounding
+    of the rest (16 mantissa bits), the product of the rests dropped. On
+    the H200 this took the output kernel from 0.24 to 0.20 ms where one
+    TF32 pass of the same ``[C, C] x [C, V]`` product spilled
+    (benchmarks/RESULTS.md, run H)."""
+    if jnp.dtype(dtype).itemsize >= 4 or self.interpret:
+      return self.of_float32(dtype)
+
+    def halves(x):
       high = x.astype(jnp.bfloat16)
       return high, (x - high.astype(x.dtype)).astype(jnp.bfloat16)
-    (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b.astype(a.dtype))
-    return (self(a_hi, b_hi, **trans) + self(a_lo, b_hi, **trans)
-            + self(a_hi, b_lo, **trans))
 
-  def of_float32(self, dtype):
-    """Products of float32 values formed from ``dtype`` inputs:
-    ``of_16bit`` (one TF32 pass, or three bf16 ones) for 16-bit inputs
-    (whose own rounding is coarser), ``precision`` otherwise."""
-    low = jnp.dtype(dtype).itemsize < 4
-    return lambda a, b, **kw: self(
-        a, b, precision=self.of_16bit if low else None, **kw)
+    def product(a, b, **kw):
+      (a_hi, a_lo), (b_hi, b_lo) = halves(a), halves(b)
+      return (self(a_hi, b_hi, **kw) + self(a_lo, b_hi, **kw)
+              + self(a_hi, b_lo, **kw))
+    return product
 
 
 def blocks(size: int, block: int):

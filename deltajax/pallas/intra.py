@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from deltajax import common
 from deltajax.pallas import core
 from deltajax.pallas.core import SUB
 
@@ -118,7 +119,7 @@ def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, **decayed):
   """g, and the inputs ``x_start_i``/``x_end_i`` times the decay from the
   chunk's entry state to each token (``e^g``) or from each token to the
   chunk's end (``e^{g_C - g}``), into ``out_start_i``/``out_end_i``."""
-  g = jnp.cumsum(a_ref[...].astype(g_ref.dtype), axis=0)
+  g = jnp.cumsum(common.floored(a_ref[...].astype(g_ref.dtype)), axis=0)
   g_ref[...] = g
   cuts = None if cuts_ref is None else cuts_ref[...]
   decays = dict(
@@ -148,7 +149,8 @@ def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
 
   Returns:
     ``(g, starts, ends)``: ``g [B, HV, T, K]`` with ``g_t = sum of a_s`` over
-    the tokens ``s <= t`` of t's chunk; ``starts``, ``ends``: tuples of
+    the tokens ``s <= t`` of t's chunk (a clamped at
+    :data:`common.LOG_DECAY_FLOOR`); ``starts``, ``ends``: tuples of
     ``[B, T, HV, K]`` in each x's dtype, in the order given.
   """
   bsz, t_len, heads, dk = a.shape
@@ -313,7 +315,10 @@ def _finish(refs, rows, dq_p, u, dy, later, dot):
       refs["dk"].dtype)
   refs["db"][rows] = jnp.sum(k * u, axis=1)
   dg = refs["dg_in"][rows, :] + q * dq_p + k * (dk_a - dy)
-  refs["da"][rows, :] = core.reverse_cumsum(dg, dot) + later
+  # 0 below the floor: a is clamped there (common.floored).
+  refs["da"][rows, :] = jnp.where(
+      refs["a"][rows, :] > common.LOG_DECAY_FLOOR,
+      core.reverse_cumsum(dg, dot) + later, 0)
   return later + jnp.sum(dg, axis=0)[None, :]
 
 
@@ -464,12 +469,13 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
       name="deltajax_intra_blocks", whole_chunk=False)
 
 
-def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
+def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
              launch, interpret, dot):
   """The scores' VJP, added to the other kernels' shares.
 
   Args:
-    q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
+    q, k: ``[B, T, H, K]``; a: ``[B, T, HV, K]``, the log gate (da is 0
+    below the floor); g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
     ``[B, HV, T]`` or None; d_p, d_m: ``[B, HV, T, C]`` float32, the
     cotangents of P and of ``M = diag(b) A``; dq, dk: ``[B, T, HV, K]``,
     dg: g's shape: the other shares (in the accumulator dtype: float32,
@@ -490,7 +496,8 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
   acc = core.accumulator(q.dtype)
   per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
   inputs = dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
-                g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
+                a_ref=(a, sp["keys"](d)), g_ref=(g, sp["g"](d)),
+                b_ref=(b, sp["gate"]),
                 cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
                 dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
                 dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)))

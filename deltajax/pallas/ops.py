@@ -95,8 +95,9 @@ def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
   ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]``, the
   cumulative cut count (int32 ``[B, HV, T]``, or None; a cut is per token)
   and, for W = K, the operands ``from_start`` and ``to_end`` decayed by the
-  gate (:func:`intra.chunk_gates`; None for W = 1). The gate of a cut token
-  is irrelevant: it is taken as 0."""
+  gate (:func:`intra.chunk_gates`; None for W = 1). a is clamped at
+  :data:`common.LOG_DECAY_FLOOR` (for W = K in the kernel). The gate of a
+  cut token is irrelevant: it is taken as 0."""
   bsz, t_len, heads, width = a.shape
   to_heads = lambda x: jnp.moveaxis(x, 1, 2)
   chunk_cumsum = lambda x: jnp.cumsum(
@@ -109,7 +110,7 @@ def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
     cuts = chunk_cumsum(to_heads(cut[..., 0]).astype(jnp.int32))
   beta = jnp.transpose(b, (0, 2, 1)).astype(dtype)
   if width == 1:
-    return chunk_cumsum(to_heads(a[..., 0])), beta, cuts, None
+    return chunk_cumsum(to_heads(common.floored(a[..., 0]))), beta, cuts, None
   g, starts, ends = intra.chunk_gates(
       common.pad_axis(a, 3, k_dim), cuts=cuts, from_start=from_start,
       to_end=to_end, chunk_size=chunk_size, interpret=interpret)
@@ -220,12 +221,18 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       dg_out=dg_out, launch=launch("ut_backward"), **shared)
   if p is not None:
     dq, dk, da, db_scores = intra.backward(
-        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
+        q=qp, k=kp, a=common.pad_axis(a, 3, kp.shape[-1]), g=g, b=beta,
+        cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
         dk=dk, dg=da, scale=scale, launch=launch("intra_backward"), **shared)
     db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
-  # da is in a's layout per channel (intra.backward), per head for W = 1.
-  da = jnp.moveaxis(da, 1, 2)[..., None] if p is None else da[..., :n_k]
+  # da is in a's layout per channel (intra.backward, 0 below the floor), per
+  # head for W = 1.
+  if p is None:
+    da = jnp.where(a > common.LOG_DECAY_FLOOR,
+                   jnp.moveaxis(da, 1, 2)[..., None], 0)
+  else:
+    da = da[..., :n_k]
   if cut is not None:
     da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))

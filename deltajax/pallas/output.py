@@ -35,7 +35,7 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
   # Delta to 16 bits would cost o 2e-3 of relative error each
   # (benchmarks/RESULTS.md, run G).
   delta = delta_ref[...]
-  o = read + dot.of_float32(dtype)(p, delta.astype(acc))
+  o = read + dot.split(dtype)(p, delta.astype(acc))
   o_ref[...] = o.astype(o_ref.dtype)
   if low_ref is not None:  # the backward's copy of Delta
     low_ref[...] = delta.astype(low_ref.dtype)

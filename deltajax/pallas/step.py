@@ -31,7 +31,7 @@ def supported(dk: int, dv: int) -> bool:
 def _decay(a_ref, dtype):
   """``exp(a)`` at the floor: ``[K, 1]`` per key channel, or a scalar per head."""
   a = a_ref[...][:, None] if a_ref.shape[0] > 1 else a_ref[0]
-  return jnp.exp(jnp.maximum(a.astype(dtype), common.LOG_DECAY_FLOOR))
+  return jnp.exp(common.floored(a.astype(dtype)))
 
 
 def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, o_ref,
