@@ -13,7 +13,7 @@ import deltajax
 import reference
 import utils
 
-IMPLS = ("scan", "chunked")
+IMPLS = ("scan", "chunked", "pallas")  # pallas: interpret mode on the CPU
 ARGS = ("q", "k", "v", "a", "b", "w", "initial_state")
 SCALE = 0.5
 
@@ -40,6 +40,11 @@ def _gdn2(impl, q, k, v, a, b, w, s0, **options):
                        impl=impl, return_final_state=True, **options)
 
 
+def _chunk(impl, c):
+  """The chunk size c, at least the Pallas kernels' 16 for "pallas"."""
+  return max(c, 16) if impl == "pallas" else c
+
+
 def _by_value_head(x, groups):
   """q/k heads repeated for grouped value heads."""
   return np.repeat(x, groups, axis=2)
@@ -56,7 +61,7 @@ def test_gdn2_matches_the_paper_rule(impl, shape):
   x = _inputs(1 + t + dk, batch=1 if dk > 40 else 2, length=t, heads=h,
               value_heads=hv, key_dim=dk, value_dim=dv)
   with jax.enable_x64(True):
-    o, s = _gdn2(impl, *x, chunk_size=c)
+    o, s = _gdn2(impl, *x, chunk_size=_chunk(impl, c))
   q, k = (_by_value_head(y, hv // h) for y in x[:2])
   ro, rs = reference.ref_gdn2(q * SCALE, k, *x[2:])
   assert utils.relative_max_error(o, ro) < 1e-12
@@ -71,8 +76,8 @@ def test_gdn2_gradients_match_autodiff_of_the_rule(impl):
   cts = utils.random_cotangents(8, utils.Inputs(*x[:5], x[6]))
   with jax.enable_x64(True):
     args = tuple(jnp.asarray(y) for y in x)
-    _, grads = utils.vjp(functools.partial(_gdn2, impl, chunk_size=4), args,
-                         cts)
+    _, grads = utils.vjp(
+        functools.partial(_gdn2, impl, chunk_size=_chunk(impl, 4)), args, cts)
     _, ref = utils.vjp(lambda q, *r: reference.plain_scan_gdn2(q * SCALE, *r),
                        args, cts)
   for name, g, r in zip(ARGS, grads, ref):
@@ -90,7 +95,7 @@ def test_gdn2_at_the_gates_edges(impl, gates):
   x = list(_inputs(11, length=24, key_dim=8, value_dim=4, gates=gates))
   x[3][..., :2] = -30.0
   with jax.enable_x64(True):
-    o, s = _gdn2(impl, *x, chunk_size=8)
+    o, s = _gdn2(impl, *x, chunk_size=_chunk(impl, 8))
   ro, rs = reference.ref_gdn2(x[0] * SCALE, *x[1:])
   assert np.all(np.isfinite(np.asarray(o)))
   assert utils.relative_max_error(o, ro) < 1e-10
@@ -108,7 +113,7 @@ def test_gdn2_with_beta_gates_is_kda_and_gated_delta(impl):
   head = a[..., 0]
   with jax.enable_x64(True):
     run = lambda f, *y: f(*y, initial_state=s0, scale=SCALE, impl=impl,
-                          chunk_size=8)
+                          chunk_size=_chunk(impl, 8))
     got = run(deltajax.gdn2, q, k, v, a, b, w)
     np.testing.assert_allclose(got, run(deltajax.kda, q, k, v, a, beta),
                                rtol=1e-12, atol=1e-12)
@@ -128,7 +133,7 @@ def test_gdn2_packed_sequences(impl):
   s0 = np.random.default_rng(6).standard_normal((3, 2, 6, 5))
   with jax.enable_x64(True):
     o, s = _gdn2(impl, q, k, v, a, b, w, s0, cu_seqlens=np.array(cu),
-                 chunk_size=8)
+                 chunk_size=_chunk(impl, 8))
     for n in range(3):
       part = slice(cu[n], cu[n + 1])
       if cu[n] == cu[n + 1]:
@@ -141,21 +146,21 @@ def test_gdn2_packed_sequences(impl):
       np.testing.assert_allclose(s[n:n + 1], rs, rtol=1e-10, atol=1e-12)
     ids = np.repeat(np.array([[0, 1]]), [12, 18], axis=1)
     o = deltajax.gdn2(q, k, v, a, b, w, scale=SCALE, segment_ids=ids,
-                      impl=impl, chunk_size=8)
+                      impl=impl, chunk_size=_chunk(impl, 8))
     ro, _ = reference.ref_gdn2(q[:, 12:] * SCALE,
                                *(y[:, 12:] for y in (k, v, a, b, w)))
     np.testing.assert_allclose(o[:, 12:], ro, rtol=1e-10, atol=1e-12)
 
 
 def test_gdn2_implementations_and_errors():
-  """"auto" runs it (scan or chunked); the Pallas kernels say they cannot;
-  bad shapes name the argument."""
+  """"auto" runs it (scan or chunked; the Pallas kernels only when asked
+  for, until timed on a GPU); bad shapes name the argument."""
   q, k, v, a, b, w, s0 = (jnp.asarray(y, jnp.float32) for y in _inputs(9))
   assert deltajax.registry.select(
       "auto", gate="gdn2", length=21, chunk_size=64, packed=False,
-      grouped=False).name in IMPLS
-  with pytest.raises(ValueError, match="no 'gdn2' gate"):
-    deltajax.gdn2(q, k, v, a, b, w, impl="pallas")
+      grouped=False).name in ("scan", "chunked")
+  pallas = deltajax.registry.REGISTRY["pallas"]
+  assert "gdn2" in pallas.gates and "gdn2" not in pallas.chosen_by_auto()
   with pytest.raises(ValueError, match="w must have shape"):
     deltajax.gdn2(q, k, v, a, b, w[..., :-1])
   with pytest.raises(ValueError, match="b must have shape"):

@@ -185,8 +185,8 @@ def _store_scores(*, p_ref, a_ref, cuts_ref, start, qk, kk, scale):
                          0).astype(a_ref.dtype)
 
 
-def _forward_whole_chunk(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
-                         scale, dot, block_k):
+def _forward_whole_chunk(*, q_ref, k_ref, kr_ref, g_ref, cuts_ref, a_ref,
+                         p_ref, scale, dot, block_k):
   """The chunk's P and A ``[C, C]`` through one reference, the midpoint of
   the gate's range: ``(X e^{g - r}) (K e^{r - g})^T``."""
   c, d = k_ref.shape
@@ -198,13 +198,13 @@ def _forward_whole_chunk(*, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
     up = jnp.exp(g - r)
     k_down = k_ref[:, ks].astype(g.dtype) * jnp.exp(r - g)
     qk += mm(q_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
-    kk += mm(k_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
+    kk += mm(kr_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
   _store_scores(p_ref=p_ref, a_ref=a_ref, cuts_ref=cuts_ref, start=0, qk=qk,
                 kk=kk, scale=scale)
 
 
-def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
-                       scale, dot, block_k):
+def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref, a_ref,
+                       p_ref, scale, dot, block_k):
   """Rows ``start .. start + 15`` of one chunk's P and A, ``[16, C]`` each,
   through the reference of :func:`_row_reference`, the diagonal tile exactly
   where the block's gate is not gentle."""
@@ -221,7 +221,7 @@ def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
     right = k_ref[:, ks].astype(r.dtype) * core.masked_exp(
         r - g_ref[:, ks].astype(r.dtype), token < limit)
     qk += mm(q_ref[rows, ks].astype(r.dtype) * left, right, trans_b=True)
-    kk += mm(k_ref[rows, ks].astype(r.dtype) * left, right, trans_b=True)
+    kk += mm(kr_ref[rows, ks].astype(r.dtype) * left, right, trans_b=True)
 
   def diagonal(tiles):
     cols = core.iota((SUB, c), 1)
@@ -230,7 +230,7 @@ def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
       t = start + j
       return tuple(tile + jnp.where(cols == t, jnp.sum(
           x_ref[rows, ks].astype(e.dtype) * y_t * e, axis=1)[:, None], 0)
-                   for x_ref, tile in zip((q_ref, k_ref), tiles))
+                   for x_ref, tile in zip((q_ref, kr_ref), tiles))
     for ks in core.blocks(d, block_k):
       tiles = _diagonal_columns(
           g_ref, k_ref, start, ks,
@@ -241,15 +241,17 @@ def _forward_by_blocks(*, start, q_ref, k_ref, g_ref, cuts_ref, a_ref, p_ref,
                 qk=qk, kk=kk, scale=scale)
 
 
-def _forward_kernel(*, whole_chunk, q_ref, k_ref, g_ref, cuts_ref, a_ref,
-                    p_ref, scale, dot, block_k, **done):
+def _forward_kernel(*, whole_chunk, q_ref, k_ref, kr_ref, g_ref, cuts_ref,
+                    a_ref, p_ref, scale, dot, block_k, **done):
   """One chunk's scores where its gate is gentle (``whole_chunk``), or the
   rows of one block (the first grid index) of a chunk where it is not;
-  ``done`` (the whole-chunk
-  pass's outputs, aliased to this pass's) is not read."""
+  ``done`` (the whole-chunk pass's outputs, aliased to this pass's) is not
+  read. ``kr_ref``: the keys on A's row side (None: k)."""
   del done
-  refs = dict(q_ref=q_ref, k_ref=k_ref, g_ref=g_ref, cuts_ref=cuts_ref,
-              a_ref=a_ref, p_ref=p_ref, scale=scale, dot=dot, block_k=block_k)
+  refs = dict(q_ref=q_ref, k_ref=k_ref,
+              kr_ref=k_ref if kr_ref is None else kr_ref, g_ref=g_ref,
+              cuts_ref=cuts_ref, a_ref=a_ref, p_ref=p_ref, scale=scale,
+              dot=dot, block_k=block_k)
   gentle = _is_gentle_chunk(g_ref)
   if whole_chunk:
     pl.when(gentle)(lambda: _forward_whole_chunk(**refs))
@@ -303,18 +305,24 @@ def _diagonal_vjp(*, start, g_ref, k_ref, xs, d_tiles, grads):
 
 
 def _finish(refs, rows, dq_p, u, dy, later, dot):
-  """Stores ``rows``' dq, dk, db and da from P's row side ``dq_p``, A's row
-  side ``u`` and the column sides ``dy``; ``later``: the gate's cotangent
-  summed over the rows after these. Returns it summed over ``rows`` too."""
+  """Stores ``rows``' dq, dk (and dkr), db and da from P's row side
+  ``dq_p``, A's row side ``u`` and the column sides ``dy``; ``later``: the
+  gate's cotangent summed over the rows after these. Returns it summed over
+  ``rows`` too."""
   acc = dq_p.dtype
-  q, k = (refs[x][rows, :].astype(acc) for x in ("q", "k"))
-  dk_a = refs["b"][rows].astype(acc)[:, None] * u
+  q, k, kr = (refs[x][rows, :].astype(acc) for x in ("q", "k", "kr"))
+  dk_a = refs["b"][rows].astype(acc)[:, None] * u  # A's row keys' share
   refs["dq"][rows, :] = (refs["dq_in"][rows, :] + dq_p).astype(
       refs["dq"].dtype)
-  refs["dk"][rows, :] = (refs["dk_in"][rows, :] + dk_a + dy).astype(
-      refs["dk"].dtype)
-  refs["db"][rows] = jnp.sum(k * u, axis=1)
-  dg = refs["dg_in"][rows, :] + q * dq_p + k * (dk_a - dy)
+  dk = refs["dk_in"][rows, :] + dy
+  if "dkr" in refs:
+    refs["dkr"][rows, :] = (refs["dkr_in"][rows, :] + dk_a).astype(
+        refs["dkr"].dtype)
+  else:
+    dk += dk_a
+  refs["dk"][rows, :] = dk.astype(refs["dk"].dtype)
+  refs["db"][rows] = jnp.sum(kr * u, axis=1)
+  dg = refs["dg_in"][rows, :] + q * dq_p + kr * dk_a - k * dy
   # 0 below the floor: a is clamped there (common.floored).
   refs["da"][rows, :] = jnp.where(
       refs["a"][rows, :] > common.LOG_DECAY_FLOOR,
@@ -341,14 +349,14 @@ def _backward_whole_chunk(refs, *, scale, dot):
   g = g_ref[...].astype(acc)
   r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
-  q, k = (refs[x][...].astype(acc) for x in ("q", "k"))
+  q, k, kr = (refs[x][...].astype(acc) for x in ("q", "k", "kr"))
   beta = refs["b"][...].astype(acc)[:, None]
   d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2)
   k_down = k * down
   dq_p = scale * mm(d_p, k_down) * up
   u = mm(d_m, k_down) * up
   dy = (mm(d_p, scale * q * up, trans_a=True)
-        + mm(d_m, beta * k * up, trans_a=True)) * down
+        + mm(d_m, beta * kr * up, trans_a=True)) * down
   _finish(refs, pl.ds(0, c), dq_p, u, dy, 0, dot)
 
 
@@ -361,7 +369,8 @@ def _backward_by_blocks(refs, *, scale, dot):
   acc = _acc(g_ref)
   mm = dot.of_float32(k_ref.dtype)
   beta = refs["b"][...].astype(acc)[:, None]
-  xs = [scale * refs["q"][...].astype(acc), beta * k_ref[...].astype(acc)]
+  xs = [scale * refs["q"][...].astype(acc),
+        beta * refs["kr"][...].astype(acc)]
 
   def block(i, later):
     start = (c // SUB - 1 - i) * SUB
@@ -374,12 +383,12 @@ def _backward_by_blocks(refs, *, scale, dot):
                                 (slice(None), rows))
     grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
              _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
-    q, k = refs["q"][rows, :].astype(acc), k_ref[rows, :].astype(acc)
+    q, kr = (refs[x][rows, :].astype(acc) for x in ("q", "kr"))
     beta_i = refs["b"][rows].astype(acc)[:, None]
     (dq_p, u), dy = lax.cond(
         gentle, lambda grads: grads,
         lambda grads: _diagonal_vjp(
-            start=start, g_ref=g_ref, k_ref=k_ref, xs=[scale * q, beta_i * k],
+            start=start, g_ref=g_ref, k_ref=k_ref, xs=[scale * q, beta_i * kr],
             d_tiles=_masked_cotangents(refs, (start, SUB), (start, SUB),
                                        (rows, rows)),
             grads=grads),
@@ -394,12 +403,16 @@ def _backward_kernel(*, whole_chunk, scale, dot, **refs):
   where it is not; db's share of these channels.
 
   ``dq = dq_in + P's row side``, ``dk = dk_in + b u + dy`` (u: A's row side
-  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = k . u`` (``sum_j
-  dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + k (b u - dy))``.
-  The refs are named without ``_ref``; ``*_done`` (the whole-chunk pass's
-  outputs, aliased to this pass's) are not read.
+  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = kr . u``
+  (``sum_j dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + kr b u
+  - k dy)``; with read keys kr (A's row side, Gated DeltaNet-2), ``b u``
+  goes to ``dkr = dkr_in + b u`` instead of dk. The refs are named without
+  ``_ref``; ``*_done`` (the whole-chunk pass's outputs, aliased to this
+  pass's) are not read.
   """
   refs = {name[:-len("_ref")]: ref for name, ref in refs.items()}
+  if refs["kr"] is None:
+    refs["kr"] = refs["k"]
   gentle = _is_gentle_chunk(refs["g"])
   if whole_chunk:
     pl.when(gentle)(lambda: _backward_whole_chunk(refs, scale=scale, dot=dot))
@@ -426,26 +439,29 @@ def _chunk_rows(chunk_size, groups, width):
 
 
 def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
-            dot):
+            dot, kr=None):
   """The intra-chunk scores of every chunk.
 
   Args:
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]`` chunk-local cumulative log
     gate; cuts: ``[B, HV, T]`` int32 chunk-local cumulative cut count, or
-    None; heads: HV; launch.block_k: key channels per inner product.
+    None; heads: HV; launch.block_k: key channels per inner product; kr:
+    None, or ``[B, T, HV, K]``: the keys on A's row side (Gated
+    DeltaNet-2's erased keys ``b * k``).
 
   Returns:
     ``(a, p)``, ``[B, HV, T, C]`` float32 (float64 for float64 inputs):
     each chunk's
-    ``A = Gamma * K K^T`` (strictly lower) and ``P = scale Gamma * Q K^T``
-    (causal) at its rows; 0 across a cut.
+    ``A = Gamma * Kr K^T`` (strictly lower; ``Kr = K`` without kr) and ``P =
+    scale Gamma * Q K^T`` (causal) at its rows; 0 across a cut.
   """
   bsz, t_len, h, dk = k.shape
   c, blocks = chunk_size, chunk_size // SUB
   sp = _chunk_rows(c, heads // h, None)
   per_chunk = (bsz, heads, t_len, c)
   inputs = dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
-                g_ref=(g, sp["g"](dk)), cuts_ref=(cuts, sp["gate"]))
+                kr_ref=(kr, sp["keys"](dk)), g_ref=(g, sp["g"](dk)),
+                cuts_ref=(cuts, sp["gate"]))
   out = lambda spec: dict(
       a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
              spec),
@@ -470,7 +486,7 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
 
 
 def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
-             launch, interpret, dot):
+             launch, interpret, dot, kr=None, dkr=None):
   """The scores' VJP, added to the other kernels' shares.
 
   Args:
@@ -479,13 +495,16 @@ def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
     ``[B, HV, T]`` or None; d_p, d_m: ``[B, HV, T, C]`` float32, the
     cotangents of P and of ``M = diag(b) A``; dq, dk: ``[B, T, HV, K]``,
     dg: g's shape: the other shares (in the accumulator dtype: float32,
-    float64 for float64 inputs); launch.block_k: key channels per program.
+    float64 for float64 inputs); launch.block_k: key channels per program;
+    kr, dkr: None, or A's row keys ``[B, T, HV, K]`` (:func:`forward`) and
+    the other kernels' share of their cotangent.
 
   Returns:
     ``(dq, dk [B, T, HV, K]`` (in q's dtype without GVA, else float32 for the
     sum over the group), ``da [B, T, HV, K]`` (the cotangent of the gate's
     increments, in a's layout; 0 is not forced at cuts), ``db [B, HV, T]``
-    the scores' share of db), in the accumulator dtype.
+    the scores' share of db), in the accumulator dtype; with kr, the
+    cotangent of kr ``[B, T, HV, K]`` (float32) after them.
   """
   bsz, t_len, h, d = q.shape
   heads = g.shape[1]
@@ -500,7 +519,8 @@ def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
                 b_ref=(b, sp["gate"]),
                 cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
                 dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
-                dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)))
+                dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)),
+                kr_ref=(kr, sp["keys"](d)), dkr_in_ref=(dkr, sp["keys"](d)))
   outputs = dict(
       dq_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
       dk_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
@@ -508,6 +528,8 @@ def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
       db_ref=(jax.ShapeDtypeStruct((d // width, bsz, heads, t_len), acc),
               core.block(None, None, None, chunk_size)(
                   lambda m, i, j, n: (m, i, j, n))))
+  if kr is not None:
+    outputs["dkr_ref"] = (per_head(acc), sp["keys"](d))
   grid = (d // width, bsz, heads, t_len // chunk_size)
   run = lambda whole_chunk, inputs, **kw: core.call(
       _backward_kernel, grid=grid, inputs=inputs, outputs=outputs,
@@ -517,9 +539,9 @@ def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
   # The chunks whose gate is not gentle, written into the first pass's
   # outputs.
   names = [n[:-len("_ref")] for n in outputs]
-  dq, dk, da, db = run(
+  dq, dk, da, db, *dkr = run(
       False, {**inputs, **{f"{n}_done_ref": (x, outputs[f"{n}_ref"][1])
                            for n, x in zip(names, done)}},
       aliases={f"{n}_done_ref": f"{n}_ref" for n in names},
       name="deltajax_intra_backward_blocks")
-  return dq, dk, da, jnp.sum(db, axis=0)
+  return (dq, dk, da, jnp.sum(db, axis=0), *dkr)

@@ -52,7 +52,8 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       ``j // G`` (grouped value heads).
     a: ``[B, T, HV, W]`` log decay ``<= 0`` in the compute dtype: ``W = 1``
       (Gated DeltaNet) or ``W = K`` (KDA, per key channel).
-    b: ``[B, T, HV]`` beta, compute dtype.
+    b: ``[B, T, HV]`` beta, or Gated DeltaNet-2's pair ``(erase [B, T, HV,
+      K], write [B, T, HV, V])`` (with W = K), compute dtype.
     initial_state: ``[N, HV, K, V]`` compute dtype; N = B without chunk_seq.
     cut: None or bool of a's shape, equal across the channels: where True,
       the state carried into the token is replaced by zero before its decay
@@ -84,8 +85,25 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{(t_len // chunk_size,)}; got B = {bsz}, "
                      f"{tuple(chunk_seq.shape)}")
   config = (config or core.KernelConfig()).resolve()
+  b, kr, v = _read_keys(b, q, k, v)
   return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
-                 initial_state, cut, chunk_seq)
+                 initial_state, cut, chunk_seq, kr)
+
+
+def _read_keys(b, q, k, v):
+  """``(beta, read keys, values)`` for the kernels. Gated DeltaNet-2's gates
+  ``b = (erase, write)`` become the keys that read the state and form A's
+  rows, ``kr = erase * k`` (per value head, ``[B, T, HV, K]``), the values
+  ``write * v`` and beta 1, outside the kernels' VJP (autodiff carries
+  their cotangents to the gates); beta has no read keys (None)."""
+  if not isinstance(b, tuple):
+    return b, None, v
+  erase, write = b
+  dtype = jnp.result_type(q, k, v)
+  kr = erase * common.repeat_heads(k, v.shape[2] // k.shape[2]).astype(
+      erase.dtype)
+  v = (write * v.astype(write.dtype)).astype(v.dtype)
+  return jnp.ones(erase.shape[:3], erase.dtype), kr.astype(dtype), v
 
 
 def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
@@ -145,22 +163,30 @@ def _group_sum(x, h):
   return x.reshape(bsz, t_len, h, heads // h, d).sum(axis=3)
 
 
+def _pad_keys(kr, kp):
+  """Read keys padded as the keys ``kp`` (None stays None)."""
+  return None if kr is None else common.pad_axis(kr, 3, kp.shape[-1])
+
+
 def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
-             chunk_seq):
+             chunk_seq, kr):
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  # Per channel: Q e^g for the output, K e^g and K e^{g_C - g} for the scan.
+  krp = _pad_keys(kr, kp)
+  # Per channel: Q e^g for the output, Kr e^g (the read keys, K without kr)
+  # and K e^{g_C - g} for the scan.
   g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                                  config.interpret, from_start=(qp, kp),
+                                  config.interpret,
+                                  from_start=(qp, kp if kr is None else krp),
                                   to_end=(kp,))
   qg, *keys = decayed or (None,)
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   heads = v.shape[2]
   if g.ndim == 4:
-    a_kk, p = intra.forward(q=qp, k=kp, g=g, cuts=cuts, heads=heads,
+    a_kk, p = intra.forward(q=qp, k=kp, kr=krp, g=g, cuts=cuts, heads=heads,
                             scale=scale, launch=launch("intra"), **shared)
     t = ut.inverse(k=kp, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                    launch=launch("inverse"), **shared)
@@ -183,20 +209,21 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
-         chunk_seq):
+         chunk_seq, kr):
   outputs, saved = _forward(scale, chunk_size, config, q, k, v, a, b,
-                            initial_state, cut, chunk_seq)
-  return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, saved)
+                            initial_state, cut, chunk_seq, kr)
+  return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, kr, saved)
 
 
 def _bwd(scale, chunk_size, config, residuals, cotangents):
-  (q, k, v, a, b, initial_state, cut, chunk_seq,
+  (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
+  krp = _pad_keys(kr, kp)
   # Per channel: Q e^g and K e^{g_C - g} for the backward scan.
   g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
                                   config.interpret, from_start=(qp,),
@@ -204,8 +231,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
-  w, u = ut.w_u(k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t,
-                launch=launch("w_u"), **shared)
+  w, u = ut.w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
+                t=t, launch=launch("w_u"), **shared)
   # The output's last cotangent is dk's share, or P's for a per-channel gate.
   dq, dg_out, d_delta, dk_or_dp = output.output_backward(
       q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, d_o=d_o,
@@ -214,16 +241,19 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)
-  dk, dv, db, da, *d_m = ut.ut_backward(
+  dk, dv, db, da, *per_channel = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta,
       dk_out=dk_or_dp if p is None else None,
-      dg_out=dg_out, launch=launch("ut_backward"), **shared)
+      dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)
+  dkr = None
   if p is not None:
-    dq, dk, da, db_scores = intra.backward(
+    d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
+    dq, dk, da, db_scores, *dkr = intra.backward(
         q=qp, k=kp, a=common.pad_axis(a, 3, kp.shape[-1]), g=g, b=beta,
-        cuts=cuts, d_p=dk_or_dp, d_m=d_m[0], dq=dq,
-        dk=dk, dg=da, scale=scale, launch=launch("intra_backward"), **shared)
+        cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq, dk=dk, dg=da, kr=krp,
+        dkr=dkr[0] if dkr else None, scale=scale,
+        launch=launch("intra_backward"), **shared)
     db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
   # da is in a's layout per channel (intra.backward, 0 below the floor), per
@@ -244,16 +274,17 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
           _group_sum(dk[..., :n_k], h).astype(k.dtype),
           dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
           db.astype(b.dtype), d_initial.astype(initial_state.dtype),
-          None, None)
+          None, None, dkr[0][..., :n_k].astype(kr.dtype) if dkr else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _pallas(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
-            chunk_seq):
-  """:func:`gated_delta_pallas` after its checks; scale, chunk_size and the
-  resolved config are static."""
+            chunk_seq, kr):
+  """:func:`gated_delta_pallas` after its checks, with the read keys of
+  :func:`_read_keys`; scale, chunk_size and the resolved config are
+  static."""
   return _forward(scale, chunk_size, config, q, k, v, a, b, initial_state,
-                  cut, chunk_seq)[0]
+                  cut, chunk_seq, kr)[0]
 
 
 _pallas.defvjp(_fwd, _bwd)

@@ -204,10 +204,11 @@ def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
       launch=launch, interpret=interpret, name="deltajax_ut_w_u", dot=dot)
 
 
-def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
-                        u_ref, s_ref, dnext_ref, delta_ref, dd_ref,
+def _ut_backward_kernel(*, k_ref, kr_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref,
+                        w_ref, u_ref, s_ref, dnext_ref, delta_ref, dd_ref,
                         dk_out_ref, dg_out_ref, dk_ref, dv_ref, db_ref,
-                        da_ref, block_v, block_k, dot, dm_ref=None):
+                        da_ref, block_v, block_k, dot, dm_ref=None,
+                        dkr_ref=None):
   """One chunk of the backward through ``Delta = U - W S``, the chunk-end
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
   adding the output's shares ``dk_out``, ``dg_out``. The gate cotangent is
@@ -215,7 +216,9 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
 
   Everything but ``dM`` (a sum over the keys) is per key channel: the work
   goes by blocks of ``block_k`` channels, so that few ``[C, K]`` float32
-  values are live at once (register pressure)."""
+  values are live at once (register pressure). With read keys ``kr`` (W's
+  keys, Gated DeltaNet-2), their cotangent goes to ``dkr``, k's (the state
+  update's) to dk."""
   dtype = k_ref.dtype
   acc = core.accumulator(dtype)
   c = k_ref.shape[0]
@@ -259,11 +262,15 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
     d_xk = dot(t, d_w.astype(dtype), trans_a=True)
     d_m -= dot(d_xk.astype(dtype), w_ref[:, ks], trans_b=True)
     eg = core.from_start(g, cuts)
-    d_xk_kg = d_xk * k * core.on_keys(eg)
+    k_read = k if kr_ref is None else kr_ref[:, ks].astype(acc)
+    d_xk_kg = d_xk * k_read * core.on_keys(eg)
     db += jnp.sum(d_xk_kg, axis=1)
     dg_k += beta[:, None] * d_xk_kg if channel else beta * jnp.sum(
         d_xk_kg, axis=1)
-    dk += core.on_keys(eg, beta) * d_xk
+    if dkr_ref is None:
+      dk += core.on_keys(eg, beta) * d_xk
+    else:
+      dkr_ref[:, ks] = core.on_keys(eg, beta) * d_xk
     if channel:  # the scores' shares are intra.backward's
       da_ref[:, ks] = (dg_out_ref[:, ks] + dg_k
                        + jnp.where(last_row, d_g_end[None, :], 0))
@@ -289,7 +296,7 @@ def _ut_backward_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref,
 
 
 def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
-                dk_out, dg_out, chunk_size, launch, interpret, dot):
+                dk_out, dg_out, chunk_size, launch, interpret, dot, kr=None):
   """Cotangents of the parallel stages around the state scan.
 
   Args:
@@ -307,7 +314,9 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
     (da of the cumulative gate's increments; 0 is not forced at cuts). For
     a per-channel gate, ``(dk, dv, db, dg, dm)``: dk, db and the cumulative
     gate's dg (float32) without the scores' shares, and ``dm [B, HV, T, C]``,
-    the cotangent of ``diag(b) Gamma * K K^T``, for :func:`intra.backward`.
+    the cotangent of ``diag(b) Gamma * K K^T``, for :func:`intra.backward`;
+    with read keys kr ``[B, T, HV, K]`` (W's keys, per channel), their share
+    of kr's cotangent (float32) after them.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
@@ -318,9 +327,12 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
   channel = {}
   if g.ndim == 4:
     channel = dict(dm_ref=(jax.ShapeDtypeStruct(t.shape, acc), square))
+  if kr is not None:
+    channel["dkr_ref"] = (jax.ShapeDtypeStruct(kr.shape, acc), tok(dk))
   return core.call(
       _ut_backward_kernel, grid=(bsz, heads, t_len // chunk_size),
-      inputs=dict(k_ref=(k, qk(dk)), v_ref=(v, vals), g_ref=(g, gates),
+      inputs=dict(k_ref=(k, qk(dk)), kr_ref=(kr, tok(dk)), v_ref=(v, vals),
+                  g_ref=(g, gates),
                   b_ref=(b, gate), cuts_ref=(cuts, gate), t_ref=(t, square),
                   w_ref=(w, tok(dk)), u_ref=(u, vals),
                   s_ref=(states, states_spec),
