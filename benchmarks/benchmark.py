@@ -1,13 +1,14 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
-    python benchmarks/benchmark.py [--gate gdn|kda] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
+    python benchmarks/benchmark.py [--gate gdn|kda|gdn2] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
         [--reps 20] [--impls scan chunked pallas] [--out DIR]
 
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
-KDA): forward and forward+backward of each implementation, of jla
-(``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule`` or
-``chunk_kda``), all timed the same way (:func:`median_ms`), the JAX
+KDA and Gated DeltaNet-2; beta, or GDN-2's erase and write gates, sigmoids
+of N(0, 1)): forward and forward+backward of each implementation, of jla
+(``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule``,
+``chunk_kda`` or ``chunk_gdn2``), all timed the same way (:func:`median_ms`), the JAX
 backward's temporaries (XLA ``memory_analysis``), and a decoding step timed
 inside a jitted loop of 100 steps. Prints a markdown table with ratios to
 jla and fla, and writes
@@ -40,9 +41,10 @@ def log(msg: str) -> None:
 
 def make_inputs(shape, seed=0, gate="gdn"):
   """numpy float32 q, k ``[B, T, H, D]``, v ``[B, T, HV, D]``, a
-  ``[B, T, HV]`` (``[B, T, HV, D]`` for KDA), b ``[B, T, HV]``, do
-  ``[B, T, HV, D]``, for ``shape`` (B, T, H, D) or, with grouped value
-  heads, (B, T, H, HV, D)."""
+  ``[B, T, HV]`` (``[B, T, HV, D]`` for KDA and Gated DeltaNet-2), b ``[B,
+  T, HV]`` (for Gated DeltaNet-2 the pair of erase and write gates, ``[B, T,
+  HV, D]`` each), do ``[B, T, HV, D]``, for ``shape`` (B, T, H, D) or, with
+  grouped value heads, (B, T, H, HV, D)."""
   bsz, t, h, *hv, d = shape
   hv = hv[0] if hv else h
   rng = np.random.default_rng(seed)
@@ -50,9 +52,12 @@ def make_inputs(shape, seed=0, gate="gdn"):
   v, do = (rng.standard_normal((bsz, t, hv, d), np.float32) for _ in range(2))
   q /= np.linalg.norm(q, axis=-1, keepdims=True)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  a_shape = (bsz, t, hv, d) if gate == "kda" else (bsz, t, hv)
+  a_shape = (bsz, t, hv) if gate == "gdn" else (bsz, t, hv, d)
   a = -np.logaddexp(0, rng.standard_normal(a_shape)).astype(np.float32) / 8
-  b = (1 / (1 + np.exp(-rng.standard_normal((bsz, t, hv))))).astype(np.float32)
+  gates = lambda *shape: (1 / (1 + np.exp(-rng.standard_normal(shape)))
+                          ).astype(np.float32)
+  b = (gates(bsz, t, hv, d), gates(bsz, t, hv, d)) if gate == "gdn2" else (
+      gates(bsz, t, hv))
   return q, k, v, a, b, do
 
 
@@ -85,7 +90,7 @@ def time_jax(attention, inputs, reps):
   ``attention(q, k, v, a, b) -> o``, a JAX function (deltajax or jla)."""
   q, k, v, a, b, do = inputs
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
-  a, b = jnp.asarray(a), jnp.asarray(b)
+  a, b = jax.tree.map(jnp.asarray, (a, b))
   fwd = jax.jit(attention)
 
   def loss(q, k, v, a, b):
@@ -101,7 +106,9 @@ def time_jax(attention, inputs, reps):
           memory.temp_size_in_bytes / 2 ** 20)
 
 
-def deltajax_attention(impl):
+def deltajax_attention(impl, gate="gdn"):
+  if gate == "gdn2":
+    return lambda q, k, v, a, b: deltajax.gdn2(q, k, v, a, *b, impl=impl)
   return lambda q, k, v, a, b: deltajax.gated_delta(q, k, v, a, b, impl=impl)
 
 
@@ -112,18 +119,25 @@ def load_jla(gate):
   except ImportError as e:
     log(f"jla not importable ({e}); skipping it")
     return None
+  scale = lambda q: q.shape[-1] ** -0.5
+  if gate == "gdn2":
+    return lambda q, k, v, a, b: ops.linear_attention(
+        "gdn2", q, k, v, g=a, b=b[0], w=b[1], scale=scale(q))[0]
   kind = "kda" if gate == "kda" else "gated_deltanet"
   return lambda q, k, v, a, b: ops.linear_attention(
-      kind, q, k, v, g=a, beta=b, scale=q.shape[-1] ** -0.5)[0]
+      kind, q, k, v, g=a, beta=b, scale=scale(q))[0]
 
 
 def load_fla(gate):
-  """torch and fla's ``chunk_gated_delta_rule`` (``chunk_kda``), or None."""
+  """torch and fla's ``chunk_gated_delta_rule`` (``chunk_kda``,
+  ``chunk_gdn2``), or None."""
   try:
     import torch
     import fla.ops.common.chunk_o as fla_chunk_o
     if gate == "kda":
       from fla.ops.kda import chunk_kda as chunk_gated_delta_rule
+    elif gate == "gdn2":
+      from fla.ops.gdn2 import chunk_gdn2 as chunk_gated_delta_rule
     else:
       from fla.ops.gated_delta_rule import chunk_gated_delta_rule
   except ImportError as e:
@@ -140,13 +154,15 @@ def load_fla(gate):
 def time_fla(fla, inputs, reps):
   """``(forward ms, forward+backward ms, o)`` for fla, timed as JAX is."""
   torch, chunk_gated_delta_rule = fla
-  q, k, v, a, b, do = (torch.tensor(x, device="cuda") for x in inputs)
+  q, k, v, a, b, do = inputs
+  gates = b if isinstance(b, tuple) else (b,)  # Gated DeltaNet-2: b, w
+  q, k, v, a, do, *gates = (torch.tensor(x, device="cuda")
+                            for x in (q, k, v, a, do, *gates))
   q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
-  q, k, v = (x.requires_grad_() for x in (q, k, v))
-  a, b = a.requires_grad_(), b.requires_grad_()
+  q, k, v, a, *gates = (x.requires_grad_() for x in (q, k, v, a, *gates))
 
   def fwd():
-    return chunk_gated_delta_rule(q, k, v, a, b)[0]
+    return chunk_gated_delta_rule(q, k, v, a, *gates)[0]
 
   def fwd_bwd():
     fwd().backward(do)
@@ -170,13 +186,16 @@ def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn",
   jitted loop."""
   q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-  a, b = jnp.asarray(a), jnp.asarray(b)
+  a, b = jax.tree.map(jnp.asarray, (a, b))
+  b, write = b if gate == "gdn2" else (b, None)
 
   @jax.jit
   def decode(state):
     def step(t, carry):
       state, acc = carry
-      o, state = step_fn(state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t])
+      w = {} if write is None else dict(w=write[:, t])
+      o, state = step_fn(state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t],
+                         **w)
       return state, acc + o[..., 0].astype(jnp.float32)
     return jax.lax.fori_loop(0, steps, step,
                              (state, jnp.zeros((bsz, h), jnp.float32)))
@@ -218,7 +237,7 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
     results = {}
     for impl in implementations_for(shape, only):
       log(f"{shape} {impl} ...")
-      results[impl] = time_jax(deltajax_attention(impl), inputs, reps)
+      results[impl] = time_jax(deltajax_attention(impl, gate), inputs, reps)
     if jla is not None:
       log(f"{shape} jla ...")
       results["jla"] = time_jax(jla, inputs, reps)
@@ -294,7 +313,7 @@ def main():
                       help="B,T,H,D or B,T,H,HV,D entries (default: the "
                       "issue's list)")
   parser.add_argument("--reps", type=int, default=20)
-  parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+  parser.add_argument("--gate", choices=("gdn", "kda", "gdn2"), default="gdn")
   parser.add_argument("--peers", nargs="*", default=("jla", "fla"),
                       help="other libraries to time when importable")
   parser.add_argument("--impls", nargs="*", default=None,

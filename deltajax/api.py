@@ -448,8 +448,8 @@ def gdn2(q, k, v, a, b, w, *, scale=None, initial_state=None,
     The other arguments as in :func:`gated_delta`; the rank-2 form takes
     ``a, b [T, K]``, ``w [T, V]``.
 
-  Implementations: "scan" and "chunked" (``impl="auto"`` picks between
-  them); the Pallas kernels do not support it yet.
+  Implementations: all; ``impl="auto"`` picks "scan" or "chunked" (the
+  Pallas kernels run it when asked for by name, until timed on a GPU).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)``.

@@ -310,24 +310,31 @@ def _finish(refs, rows, dq_p, u, dy, later, dot):
   gate's cotangent summed over the rows after these. Returns it summed over
   ``rows`` too."""
   acc = dq_p.dtype
-  q, k, kr = (refs[x][rows, :].astype(acc) for x in ("q", "k", "kr"))
+  q, k = (refs[x][rows, :].astype(acc) for x in ("q", "k"))
   dk_a = refs["b"][rows].astype(acc)[:, None] * u  # A's row keys' share
   refs["dq"][rows, :] = (refs["dq_in"][rows, :] + dq_p).astype(
       refs["dq"].dtype)
-  dk = refs["dk_in"][rows, :] + dy
-  if "dkr" in refs:
+  if refs["kr"] is None:  # A's row keys are k
+    refs["dk"][rows, :] = (refs["dk_in"][rows, :] + dk_a + dy).astype(
+        refs["dk"].dtype)
+    refs["db"][rows] = jnp.sum(k * u, axis=1)
+    dg = refs["dg_in"][rows, :] + q * dq_p + k * (dk_a - dy)
+  else:
+    kr = refs["kr"][rows, :].astype(acc)
     refs["dkr"][rows, :] = (refs["dkr_in"][rows, :] + dk_a).astype(
         refs["dkr"].dtype)
-  else:
-    dk += dk_a
-  refs["dk"][rows, :] = dk.astype(refs["dk"].dtype)
-  refs["db"][rows] = jnp.sum(kr * u, axis=1)
-  dg = refs["dg_in"][rows, :] + q * dq_p + kr * dk_a - k * dy
-  # 0 below the floor: a is clamped there (common.floored).
-  refs["da"][rows, :] = jnp.where(
-      refs["a"][rows, :] > common.LOG_DECAY_FLOOR,
-      core.reverse_cumsum(dg, dot) + later, 0)
+    refs["dk"][rows, :] = (refs["dk_in"][rows, :] + dy).astype(
+        refs["dk"].dtype)
+    refs["db"][rows] = jnp.sum(kr * u, axis=1)
+    dg = refs["dg_in"][rows, :] + q * dq_p + kr * dk_a - k * dy
+  refs["da"][rows, :] = core.reverse_cumsum(dg, dot) + later
   return later + jnp.sum(dg, axis=0)[None, :]
+
+
+def _row_keys(refs, k, at):
+  """A's row keys at ``at``: the keys ``k`` already loaded there, or the
+  read keys kr (Gated DeltaNet-2)."""
+  return k if refs["kr"] is None else refs["kr"][at].astype(k.dtype)
 
 
 def _masked_cotangents(refs, rows, cols, at):
@@ -349,14 +356,14 @@ def _backward_whole_chunk(refs, *, scale, dot):
   g = g_ref[...].astype(acc)
   r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
-  q, k, kr = (refs[x][...].astype(acc) for x in ("q", "k", "kr"))
+  q, k = (refs[x][...].astype(acc) for x in ("q", "k"))
   beta = refs["b"][...].astype(acc)[:, None]
   d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2)
   k_down = k * down
   dq_p = scale * mm(d_p, k_down) * up
   u = mm(d_m, k_down) * up
   dy = (mm(d_p, scale * q * up, trans_a=True)
-        + mm(d_m, beta * kr * up, trans_a=True)) * down
+        + mm(d_m, beta * _row_keys(refs, k, ...) * up, trans_a=True)) * down
   _finish(refs, pl.ds(0, c), dq_p, u, dy, 0, dot)
 
 
@@ -370,7 +377,7 @@ def _backward_by_blocks(refs, *, scale, dot):
   mm = dot.of_float32(k_ref.dtype)
   beta = refs["b"][...].astype(acc)[:, None]
   xs = [scale * refs["q"][...].astype(acc),
-        beta * refs["kr"][...].astype(acc)]
+        beta * _row_keys(refs, k_ref[...].astype(acc), ...)]
 
   def block(i, later):
     start = (c // SUB - 1 - i) * SUB
@@ -383,7 +390,8 @@ def _backward_by_blocks(refs, *, scale, dot):
                                 (slice(None), rows))
     grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
              _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
-    q, kr = (refs[x][rows, :].astype(acc) for x in ("q", "kr"))
+    q, k = refs["q"][rows, :].astype(acc), k_ref[rows, :].astype(acc)
+    kr = _row_keys(refs, k, (rows, slice(None)))
     beta_i = refs["b"][rows].astype(acc)[:, None]
     (dq_p, u), dy = lax.cond(
         gentle, lambda grads: grads,
@@ -411,8 +419,6 @@ def _backward_kernel(*, whole_chunk, scale, dot, **refs):
   pass's) are not read.
   """
   refs = {name[:-len("_ref")]: ref for name, ref in refs.items()}
-  if refs["kr"] is None:
-    refs["kr"] = refs["k"]
   gentle = _is_gentle_chunk(refs["g"])
   if whole_chunk:
     pl.when(gentle)(lambda: _backward_whole_chunk(refs, scale=scale, dot=dot))
@@ -485,13 +491,12 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
       name="deltajax_intra_blocks", whole_chunk=False)
 
 
-def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
+def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
              launch, interpret, dot, kr=None, dkr=None):
   """The scores' VJP, added to the other kernels' shares.
 
   Args:
-    q, k: ``[B, T, H, K]``; a: ``[B, T, HV, K]``, the log gate (da is 0
-    below the floor); g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
+    q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
     ``[B, HV, T]`` or None; d_p, d_m: ``[B, HV, T, C]`` float32, the
     cotangents of P and of ``M = diag(b) A``; dq, dk: ``[B, T, HV, K]``,
     dg: g's shape: the other shares (in the accumulator dtype: float32,
@@ -515,8 +520,7 @@ def backward(*, q, k, a, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
   acc = core.accumulator(q.dtype)
   per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
   inputs = dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
-                a_ref=(a, sp["keys"](d)), g_ref=(g, sp["g"](d)),
-                b_ref=(b, sp["gate"]),
+                g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
                 cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
                 dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
                 dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)),

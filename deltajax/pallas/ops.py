@@ -250,19 +250,15 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
     dq, dk, da, db_scores, *dkr = intra.backward(
-        q=qp, k=kp, a=common.pad_axis(a, 3, kp.shape[-1]), g=g, b=beta,
-        cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq, dk=dk, dg=da, kr=krp,
+        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq, dk=dk, dg=da, kr=krp,
         dkr=dkr[0] if dkr else None, scale=scale,
         launch=launch("intra_backward"), **shared)
     db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
-  # da is in a's layout per channel (intra.backward, 0 below the floor), per
-  # head for W = 1.
-  if p is None:
-    da = jnp.where(a > common.LOG_DECAY_FLOOR,
-                   jnp.moveaxis(da, 1, 2)[..., None], 0)
-  else:
-    da = da[..., :n_k]
+  # da is in a's layout per channel (intra.backward), per head for W = 1;
+  # 0 below the floor, where a is clamped (common.floored).
+  da = jnp.moveaxis(da, 1, 2)[..., None] if p is None else da[..., :n_k]
+  da = jnp.where(a > common.LOG_DECAY_FLOOR, da, 0)
   if cut is not None:
     da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))
