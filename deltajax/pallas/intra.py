@@ -115,10 +115,11 @@ def _diagonal_columns(g_ref, y_ref, start, ks, step, init):
   return lax.fori_loop(0, SUB, column, init)
 
 
-def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, **decayed):
-  """g, and the inputs ``x_start_i``/``x_end_i`` times the decay from the
-  chunk's entry state to each token (``e^g``) or from each token to the
-  chunk's end (``e^{g_C - g}``), into ``out_start_i``/``out_end_i``."""
+def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, counts, **decayed):
+  """g, and for each side (``counts``: side -> number of operands) the
+  inputs ``x_{side}_{i}`` times the decay from the chunk's entry state to
+  each token (``e^g``, side "start") or from each token to the chunk's end
+  (``e^{g_C - g}``, "end"), into ``out_{side}_{i}``."""
   g = jnp.cumsum(common.floored(a_ref[...].astype(g_ref.dtype)), axis=0)
   g_ref[...] = g
   cuts = None if cuts_ref is None else cuts_ref[...]
@@ -126,12 +127,12 @@ def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, **decayed):
       start=lambda: core.from_start(g, cuts),
       end=lambda: core.to_end(g, core.last(g), cuts,
                               None if cuts is None else core.last(cuts)))
-  for side, decay in decays.items():
-    names = sorted(n for n in decayed if n.startswith(f"x_{side}_"))
-    e = decay() if names else None
-    for name in names:
-      out = decayed[name.replace("x_", "out_")]
-      out[...] = (decayed[name][...].astype(g.dtype) * e).astype(out.dtype)
+  for side, count in counts:
+    e = decays[side]() if count else None
+    for i in range(count):
+      out = decayed[f"out_{side}_{i}"]
+      out[...] = (decayed[f"x_{side}_{i}"][...].astype(g.dtype)
+                  * e).astype(out.dtype)
 
 
 def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
@@ -163,7 +164,8 @@ def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
                                              a.dtype),
                         core.block(None, None, c, dk)(
                             lambda i, j, n: (i, j, n, 0))))
-  for side, xs in (("start", from_start), ("end", to_end)):
+  sides = (("start", from_start), ("end", to_end))
+  for side, xs in sides:
     for i, x in enumerate(xs):
       inputs[f"x_{side}_{i}"] = (x, rows(x))
       outputs[f"out_{side}_{i}"] = (
@@ -171,7 +173,8 @@ def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
   g, *decayed = core.call(
       _chunk_gates_kernel, grid=(bsz, heads, t_len // c), inputs=inputs,
       outputs=outputs, launch=core.Launch(num_warps=4), interpret=interpret,
-      name="deltajax_chunk_gates", as_tuple=True)
+      name="deltajax_chunk_gates", as_tuple=True,
+      counts=tuple((side, len(xs)) for side, xs in sides))
   return g, tuple(decayed[:len(from_start)]), tuple(decayed[len(from_start):])
 
 
