@@ -529,7 +529,7 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
     a: ``[B, HV]`` (scalar gate) or ``[B, HV, K]`` (per-channel gate).
     b: ``[B, HV]``; with ``w``, Gated DeltaNet-2's erase gate ``[B, HV, K]``.
     w: None, or Gated DeltaNet-2's write gate ``[B, HV, V]`` (then a is per
-      channel; :func:`gdn2`); the jnp step only.
+      channel; :func:`gdn2`).
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
       interpret mode off the GPU) or "auto", which is "jnp" everywhere for
@@ -571,9 +571,6 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
   _check_shape("a", a, (bsz, hv, dk), "[B, HV, K] (gdn2's per-channel gate)")
   _check_shape("b", b, (bsz, hv, dk), "[B, HV, K] (the erase gate)")
   _check_shape("w", w, v.shape, "[B, HV, V] (the write gate)")
-  if impl == "pallas":
-    raise ValueError("impl='pallas' has no step for Gated DeltaNet-2's gates "
-                     "(w); use impl='jnp' or 'auto'")
   return _step(state, q, k, v, a, (b, w), scale=scale, impl=impl)
 
 

@@ -176,23 +176,23 @@ def test_gdn2_implementations_and_errors():
 
 
 def test_gdn2_decoding_steps_equal_the_full_call():
-  """``gated_delta_step(..., w=w)`` token by token gives gdn2's outputs and
-  final state (GVA); the Pallas step declines."""
+  """``gated_delta_step(..., w=w)`` token by token, through the jnp step
+  and the Pallas kernel (interpret mode; K, V padded), gives gdn2's outputs
+  and final state (GVA)."""
   q, k, v, a, b, w, s0 = _inputs(12, length=9, heads=1, value_heads=2)
   with jax.enable_x64(True):
     o_full, s_full = _gdn2("scan", q, k, v, a, b, w, s0)
-    state, outs = jnp.asarray(s0), []
-    for t in range(q.shape[1]):
-      o, state = deltajax.gated_delta_step(
-          state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], w=w[:, t],
-          scale=SCALE)
-      outs.append(o)
-    np.testing.assert_allclose(np.stack(outs, 1), o_full, rtol=1e-12,
-                               atol=1e-12)
-    np.testing.assert_allclose(state, s_full, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="no step for Gated DeltaNet-2"):
-      deltajax.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], a[:, 0],
-                                b[:, 0], w=w[:, 0], impl="pallas")
+    for impl in ("jnp", "pallas"):
+      state, outs = jnp.asarray(s0), []
+      for t in range(q.shape[1]):
+        o, state = deltajax.gated_delta_step(
+            state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], w=w[:, t],
+            scale=SCALE, impl=impl)
+        outs.append(o)
+      np.testing.assert_allclose(np.stack(outs, 1), o_full, rtol=1e-12,
+                                 atol=1e-12, err_msg=impl)
+      np.testing.assert_allclose(state, s_full, rtol=1e-12, atol=1e-12,
+                                 err_msg=impl)
     with pytest.raises(ValueError, match="w must have shape"):
       deltajax.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], a[:, 0],
                                 b[:, 0], w=w[:, 0, :, :-1])

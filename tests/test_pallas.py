@@ -399,7 +399,7 @@ def test_pallas_kda_at_the_factoring_bound(fall, over):
         name, utils.relative_rms_error(g, r))
 
 
-@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("gate", ["head", "channel", "gdn2"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("features", ["plain", "gva_cuts_packed"])
 def test_kernels_lower_for_triton(dtype, features, gate):
@@ -411,12 +411,15 @@ def test_kernels_lower_for_triton(dtype, features, gate):
   bsz, t, h, hv, d, c = (1, 96, 2, 4, 80, 32) if features != "plain" else (
       2, 128, 2, 2, 128, 64)
   f32 = jnp.float32
-  width = d if gate == "channel" else 1
+  width = 1 if gate == "head" else d
   shapes = [((bsz, t, h, d), dtype), ((bsz, t, h, d), dtype),
             ((bsz, t, hv, d), dtype), ((bsz, t, hv, width), f32),
             ((bsz, t, hv), f32), ((3 if features != "plain" else bsz, hv, d,
                                    d), f32)]
   args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
+  if gate == "gdn2":  # the erase and write gates in place of beta
+    args[4] = (jax.ShapeDtypeStruct((bsz, t, hv, d), f32),
+               jax.ShapeDtypeStruct((bsz, t, hv, d), f32))
   extra = [None, None]
   if features != "plain":
     extra = [jax.ShapeDtypeStruct((bsz, t, hv, width), jnp.bool_),
@@ -435,7 +438,7 @@ def test_kernels_lower_for_triton(dtype, features, gate):
           "__gpu$xla.gpu.triton")])(*args, *extra)
   text = exported.mlir_module()
   intra = ("chunk_gates", "intra", "intra_blocks", "intra_backward",
-           "intra_backward_blocks") if gate == "channel" else ()
+           "intra_backward_blocks") if gate != "head" else ()
   for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
                "output_backward", "state_backward", "ut_backward", *intra):
     assert f'name = "deltajax_{name}"' in text, name

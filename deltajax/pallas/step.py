@@ -28,20 +28,23 @@ def supported(dk: int, dv: int) -> bool:
   return core.padded_dim(dk) == dk and core.padded_dim(dv) == dv
 
 
-def _decay(a_ref, dtype):
-  """``exp(a)`` at the floor: ``[K, 1]`` per key channel, or a scalar per head."""
-  a = a_ref[...][:, None] if a_ref.shape[0] > 1 else a_ref[0]
-  return jnp.exp(common.floored(a.astype(dtype)))
+def _per_row(ref, dtype):
+  """A per-head value ``[1]`` as a scalar, or ``[D]`` as a column ``[D, 1]``."""
+  x = ref[...][:, None] if ref.shape[0] > 1 else ref[0]
+  return x.astype(dtype)
 
 
-def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, o_ref,
-                 new_s_ref, scale):
+def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, erase_ref, write_ref,
+                 o_ref, new_s_ref, scale):
+  """``r = w v - S'^T (e k)`` (beta: ``e = w = b``), ``S = S' + k r^T``."""
   dtype = new_s_ref.dtype
   q = q_ref[...].astype(dtype)[:, None] * scale
   k = k_ref[...].astype(dtype)[:, None]
-  s = s_ref[...].astype(dtype) * _decay(a_ref, dtype)
-  prediction = jnp.sum(s * k, axis=0)
-  residual = b_ref[0].astype(dtype) * (v_ref[...].astype(dtype) - prediction)
+  decay = jnp.exp(common.floored(_per_row(a_ref, dtype)))
+  s = s_ref[...].astype(dtype) * decay
+  prediction = jnp.sum(s * (_per_row(erase_ref, dtype) * k), axis=0)
+  write = (write_ref[...] if write_ref.shape[0] > 1 else write_ref[0])
+  residual = write.astype(dtype) * v_ref[...].astype(dtype) - prediction
   # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions read the decayed
   # state, so neither waits for the other.
   o = jnp.sum(q * s, axis=0) + jnp.sum(q * k) * residual
@@ -49,8 +52,9 @@ def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, o_ref,
   new_s_ref[...] = s + k * residual[None, :]
 
 
-def _launch(state, q, k, v, a, b, *, scale, config):
-  """The kernel on padded inputs: a ``[B, HV, W]``, b ``[B, HV, 1]``."""
+def _launch(state, q, k, v, a, erase, write, *, scale, config):
+  """The kernel on padded inputs: a ``[B, HV, W]``, erase ``[B, HV, 1]`` or
+  ``[B, HV, K]``, write ``[B, HV, 1]`` or ``[B, HV, V]``."""
   bsz, heads, dk, dv = state.shape
   groups = heads // q.shape[1]
   bv = min(dv, config.step.block_v)
@@ -65,7 +69,10 @@ def _launch(state, q, k, v, a, b, *, scale, config):
           v_ref=(v, cols),
           a_ref=(a, core.block(None, None, a.shape[2])(
               lambda i, j, n: (i, j, 0))),
-          b_ref=(b, core.block(None, None, 1)(lambda i, j, n: (i, j, 0)))),
+          erase_ref=(erase, core.block(None, None, erase.shape[2])(
+              lambda i, j, n: (i, j, 0))),
+          write_ref=(write, cols if write.shape[2] > 1 else core.block(
+              None, None, 1)(lambda i, j, n: (i, j, 0)))),
       outputs=dict(o_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), cols),
                    new_s_ref=(jax.ShapeDtypeStruct(state.shape, state.dtype),
                               tile)),
@@ -83,7 +90,8 @@ def gated_delta_step_pallas(state, q, k, v, a, b, *, scale, config=None):
       reads q/k head ``j // G`` through the index maps); any float dtypes,
       read as they are and computed in the state's dtype.
     a: ``[B, HV]`` or ``[B, HV, K]`` log decay, clamped at
-      :data:`common.LOG_DECAY_FLOOR`; b: ``[B, HV]``.
+      :data:`common.LOG_DECAY_FLOOR`; b: ``[B, HV]``, or Gated DeltaNet-2's
+      ``(erase [B, HV, K], write [B, HV, V])`` (a per channel).
     scale: Python float multiplying q.
     config: :class:`core.KernelConfig` (None: the defaults); its ``step``
       launch sets ``num_warps`` and the V block.
@@ -96,10 +104,12 @@ def gated_delta_step_pallas(state, q, k, v, a, b, *, scale, config=None):
   dk, dv = state.shape[2:]
   pk, pv = core.padded_dim(dk), core.padded_dim(dv)
   a = a[..., None] if a.ndim == 2 else common.pad_axis(a, 2, pk)
+  erase, write = ((common.pad_axis(b[0], 2, pk), common.pad_axis(b[1], 2, pv))
+                  if isinstance(b, tuple) else (b[..., None],) * 2)
   o, new_state = _launch(
       common.pad_axis(common.pad_axis(state, 2, pk), 3, pv),
       *(common.pad_axis(x, 2, pk) for x in (q, k)), common.pad_axis(v, 2, pv),
-      a, b[..., None], scale=scale, config=config)
+      a, erase, write, scale=scale, config=config)
   if supported(dk, dv):
     return o, new_state
   return o[..., :dv], new_state[:, :, :dk, :dv]
