@@ -1,4 +1,4 @@
-"""One forward+backward of ``deltajax.gated_delta`` for a profiler to see.
+"""One step of ``deltajax.gated_delta`` (forward+backward, or forward) for a profiler.
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
         --log-file $OUT/step.csv python benchmarks/ncu_step.py --gate kda
@@ -24,6 +24,8 @@ def main():
   parser.add_argument("--shape", default="4,4096,16,128")
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--impl", default="pallas")
+  parser.add_argument("--forward", action="store_true",
+                      help="the forward alone (no gradients)")
   args = parser.parse_args()
   shape = tuple(int(x) for x in args.shape.split(","))
   q, k, v, a, b, do = make_inputs(shape, gate=args.gate)
@@ -34,7 +36,8 @@ def main():
     o = deltajax.gated_delta(q, k, v, a, b, impl=args.impl)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  step = jax.jit(loss if args.forward
+                 else jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
   for _ in range(2):
     jax.block_until_ready(step(q, k, v, a, b))
 

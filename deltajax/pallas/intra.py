@@ -330,7 +330,10 @@ def _finish(refs, rows, dq_p, u, dy, later, dot):
         refs["dk"].dtype)
     refs["db"][rows] = jnp.sum(kr * u, axis=1)
     dg = refs["dg_in"][rows, :] + q * dq_p + kr * dk_a - k * dy
-  refs["da"][rows, :] = core.reverse_cumsum(dg, dot) + later
+  da = core.reverse_cumsum(dg, dot) + later
+  if refs["a"] is not None:  # 0 below the floor, where a is clamped
+    da = jnp.where(refs["a"][rows, :] > common.LOG_DECAY_FLOOR, da, 0)
+  refs["da"][rows, :] = da
   return later + jnp.sum(dg, axis=0)[None, :]
 
 
@@ -495,7 +498,7 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
 
 
 def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
-             launch, interpret, dot, kr=None, dkr=None):
+             launch, interpret, dot, kr=None, dkr=None, a=None):
   """The scores' VJP, added to the other kernels' shares.
 
   Args:
@@ -505,7 +508,9 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
     dg: g's shape: the other shares (in the accumulator dtype: float32,
     float64 for float64 inputs); launch.block_k: key channels per program;
     kr, dkr: None, or A's row keys ``[B, T, HV, K]`` (:func:`forward`) and
-    the other kernels' share of their cotangent.
+    the other kernels' share of their cotangent; a: None, or the log gate
+    ``[B, T, HV, K]``: da is 0 where it is below the floor (clamped there,
+    :func:`common.floored`).
 
   Returns:
     ``(dq, dk [B, T, HV, K]`` (in q's dtype without GVA, else float32 for the
@@ -527,7 +532,8 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
                 cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
                 dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
                 dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)),
-                kr_ref=(kr, sp["keys"](d)), dkr_in_ref=(dkr, sp["keys"](d)))
+                kr_ref=(kr, sp["keys"](d)), dkr_in_ref=(dkr, sp["keys"](d)),
+                a_ref=(a, sp["keys"](d)))
   outputs = dict(
       dq_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),
       dk_ref=(per_head(q.dtype if heads == h else acc), sp["keys"](d)),

@@ -250,15 +250,19 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
     dq, dk, da, db_scores, *dkr = intra.backward(
-        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq, dk=dk, dg=da, kr=krp,
-        dkr=dkr[0] if dkr else None, scale=scale,
+        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq,
+        dk=dk, dg=da, kr=krp, dkr=dkr[0] if dkr else None,
+        a=common.pad_axis(a, 3, kp.shape[-1]), scale=scale,
         launch=launch("intra_backward"), **shared)
     db += db_scores
   n_k, n_v, h = q.shape[-1], v.shape[-1], q.shape[2]
-  # da is in a's layout per channel (intra.backward), per head for W = 1;
-  # 0 below the floor, where a is clamped (common.floored).
-  da = jnp.moveaxis(da, 1, 2)[..., None] if p is None else da[..., :n_k]
-  da = jnp.where(a > common.LOG_DECAY_FLOOR, da, 0)
+  # da is 0 below the floor, where a is clamped (common.floored): per
+  # channel, intra.backward masks it (in a's layout); per head, here.
+  if p is None:
+    da = jnp.where(a > common.LOG_DECAY_FLOOR,
+                   jnp.moveaxis(da, 1, 2)[..., None], 0)
+  else:
+    da = da[..., :n_k]
   if cut is not None:
     da = jnp.where(cut, 0, da)
   db = jnp.transpose(db, (0, 2, 1))
