@@ -1,8 +1,8 @@
 """Public API: input checks, the normalisation every implementation relies on, dispatch.
 
 ``gated_delta`` validates the user's arguments (shapes, dtypes and a
-concrete ``cu_seqlens`` on the host; values by checkify debug checks inside
-the compiled program), applies the fused options
+concrete ``cu_seqlens`` on the host; values, inside :func:`value_checks`, by
+checkify debug checks in the compiled program), applies the fused options
 (q/k L2 norm, the gate from ``A_log``/``dt_bias``, beta from logits), turns
 ``segment_ids`` into cuts and ``cu_seqlens`` into a chunk-aligned layout,
 pads T, and calls the implementation that :func:`registry.select` picks, in
@@ -11,6 +11,8 @@ the contract :data:`registry.CONTRACT`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import numbers
 
@@ -124,7 +126,7 @@ def _check_cu_seqlens_values(cu_seqlens, total: int) -> None:
   """Raises ``ValueError`` at the first bad element of a concrete ``cu_seqlens``.
 
   A traced one (under ``jit``) cannot be read here; :func:`_debug_check_values`
-  checks it under ``checkify``.
+  checks it inside :func:`value_checks`.
   """
   if isinstance(cu_seqlens, jax.core.Tracer):
     return
@@ -134,6 +136,30 @@ def _check_cu_seqlens_values(cu_seqlens, total: int) -> None:
     i = int(np.argmax(faults))
     raise ValueError(_broken_rule("cu_seqlens", _cu_seqlens_rule(total), i,
                                   cu_seqlens[i]))
+
+
+_VALUE_CHECKS = contextvars.ContextVar("deltajax_value_checks",
+                                       default=False)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool = True):
+  """Calls traced inside it check their inputs' values in the compiled program.
+
+  The checks are ``checkify.debug_check`` s (q, k, v and the state finite,
+  ``a <= 0``, b in range, a traced ``cu_seqlens`` well formed); run the
+  function under ``checkify.checkify(..., errors=checkify.user_checks)`` to
+  get their error. Off by default: a check is a JAX effect, and a jitted
+  function with an effect leaves JAX's fast dispatch path (0.21 against 0.06
+  ms of host time per call of a Gated DeltaNet forward on the H200,
+  benchmarks/RESULTS.md, run I). ``jit`` caches traces: jit the function
+  afresh inside the block (or one not yet called).
+  """
+  token = _VALUE_CHECKS.set(enabled)
+  try:
+    yield
+  finally:
+    _VALUE_CHECKS.reset(token)
 
 
 def _debug_check(name: str, x, ok, rule: str) -> None:
@@ -151,7 +177,7 @@ def _debug_check(name: str, x, ok, rule: str) -> None:
 def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
                         dt_bias=None, beta_sigmoid=False,
                         allow_neg_eigval=False) -> None:
-  """The inputs' values as :func:`_debug_check` s: free unless checkified.
+  """The inputs' values as :func:`_debug_check` s, inside :func:`value_checks`.
 
   Args:
     finite: ``{name: array or None}``, arrays that must be finite (q, k, v
@@ -302,15 +328,19 @@ def _to_layout(x: jax.Array, layout: common.Layout, n_chunks: int,
 
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "chunk_size",
                                              "use_qk_l2norm", "beta_sigmoid",
-                                             "allow_neg_eigval"))
+                                             "allow_neg_eigval",
+                                             "check_values"))
 def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
          *, scale, impl, chunk_size, use_qk_l2norm, beta_sigmoid,
-         allow_neg_eigval):
-  """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``."""
-  _debug_check_values(dict(q=q, k=k, v=v, initial_state=initial_state), a, b,
-                      cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
-                      beta_sigmoid=beta_sigmoid,
-                      allow_neg_eigval=allow_neg_eigval)
+         allow_neg_eigval, check_values):
+  """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``;
+  ``check_values``: :func:`value_checks` was on (static: a trace cached
+  without the checks is not reused with them)."""
+  if check_values:
+    _debug_check_values(dict(q=q, k=k, v=v, initial_state=initial_state), a,
+                        b, cu_seqlens=cu_seqlens, A_log=A_log,
+                        dt_bias=dt_bias, beta_sigmoid=beta_sigmoid,
+                        allow_neg_eigval=allow_neg_eigval)
   dtype = common.compute_dtype(q, k, v)
   q, k, a, b = _fused_inputs(
       q, k, a, b, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
@@ -387,8 +417,8 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
       ``cu_seqlens[0] = 0``, non-decreasing, and ``cu_seqlens[N] = T``. A
       concrete one (numpy, a list, a jax array) is checked here: a
       ``ValueError`` names its first bad element. It may be traced (under
-      ``jit``); then only checkify checks it (below), and a bad one gives
-      garbage outputs (never out-of-bounds memory accesses).
+      ``jit``); then only the value checks see it (below); unchecked, a
+      bad one gives garbage outputs (never out-of-bounds memory accesses).
     use_qk_l2norm: L2-normalise q and k (eps 1e-6), gradients through it.
     A_log: ``[HV]``; then ``a = -exp(A_log) softplus(a + dt_bias)``.
     dt_bias: ``[HV]`` (``[HV, K]`` for KDA), used with ``A_log``.
@@ -401,11 +431,11 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
   ``b [T]``, ``initial_state [K, V]`` (one sequence of one head) is accepted
   too, which is what the function sees under ``jax.vmap``.
 
-  Values are checked by ``checkify.debug_check`` s (q, k, v, initial_state
-  finite, ``a <= 0``, beta in ``[0, 2]``, a traced ``cu_seqlens``), which
-  cost nothing unless the caller wraps its function in
-  ``checkify.checkify(f, errors=checkify.user_checks)``; the error then names
-  the argument and its first bad element (indices of the rank-4 form).
+  Traced inside :func:`value_checks`, values are checked by
+  ``checkify.debug_check`` s (q, k, v, initial_state finite, ``a <= 0``,
+  beta in ``[0, 2]``, a traced ``cu_seqlens``); under
+  ``checkify.checkify(f, errors=checkify.user_checks)`` the error names the
+  argument and its first bad element (indices of the rank-4 form).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)`` with the
@@ -512,7 +542,8 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
       cu_seqlens, A_log, dt_bias,
       scale=scale, impl=impl, chunk_size=chunk_size,
       use_qk_l2norm=bool(use_qk_l2norm), beta_sigmoid=bool(beta_sigmoid),
-      allow_neg_eigval=bool(allow_neg_eigval))
+      allow_neg_eigval=bool(allow_neg_eigval),
+      check_values=_VALUE_CHECKS.get())
   if single_head:
     o, final_state = o[0, :, 0], final_state[0, 0]
   return (o, final_state) if return_final_state else o
@@ -539,7 +570,7 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
       when the state is donated to an enclosing jit; gradients go through
       the jnp step.
 
-  Values are checked under checkify as in :func:`gated_delta`.
+  Values are checked inside :func:`value_checks`, as in :func:`gated_delta`.
 
   Returns:
     ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
@@ -567,11 +598,13 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
   impl = _step_impl(impl)
   if w is None:
     _check_shape("b", b, (bsz, hv), "[B, HV]")
-    return _step(state, q, k, v, a, b, scale=scale, impl=impl)
+    return _step(state, q, k, v, a, b, scale=scale, impl=impl,
+                 check_values=_VALUE_CHECKS.get())
   _check_shape("a", a, (bsz, hv, dk), "[B, HV, K] (gdn2's per-channel gate)")
   _check_shape("b", b, (bsz, hv, dk), "[B, HV, K] (the erase gate)")
   _check_shape("w", w, v.shape, "[B, HV, V] (the write gate)")
-  return _step(state, q, k, v, a, (b, w), scale=scale, impl=impl)
+  return _step(state, q, k, v, a, (b, w), scale=scale, impl=impl,
+               check_values=_VALUE_CHECKS.get())
 
 
 def _step_impl(impl: str) -> str:
@@ -582,9 +615,11 @@ def _step_impl(impl: str) -> str:
   return "jnp" if impl == "auto" else impl
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "impl"))
-def _step(state, q, k, v, a, b, *, scale, impl):
-  _debug_check_values(dict(state=state, q=q, k=k, v=v), a, b)
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "impl", "check_values"))
+def _step(state, q, k, v, a, b, *, scale, impl, check_values):
+  if check_values:  # as in _run
+    _debug_check_values(dict(state=state, q=q, k=k, v=v), a, b)
   state = state.astype(common.compute_dtype(q, k, v))
   fn = _pallas_step if impl == "pallas" else _jnp_step
   return fn(state, q, k, v, a, b, scale)

@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+import deltajax
 from deltajax import hf
 
 torch = pytest.importorskip("torch")
@@ -121,8 +122,9 @@ def test_value_checks_reach_the_rule_under_checkify(pair):
   """A NaN in x makes q non-finite; checkify's error names q."""
   _, _, _, layer = pair
   x = jnp.asarray(_x()).at[0, 7, 5].set(jnp.nan)
-  error, _ = checkify.checkify(jax.jit(lambda x: layer(x)),
-                               errors=checkify.user_checks)(x)
+  with deltajax.value_checks():
+    error, _ = checkify.checkify(jax.jit(lambda x: layer(x)),
+                                 errors=checkify.user_checks)(x)
   assert error.get().startswith("q must be finite; got q[0, 7,"), error.get()
 
 

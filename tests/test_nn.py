@@ -8,6 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
+import deltajax
 from deltajax import nn
 
 LAYERS = (nn.GatedDeltaNet, nn.KimiDeltaAttention, nn.GatedDeltaNet2,
@@ -344,8 +345,9 @@ def test_value_checks_reach_the_rule_under_checkify():
   x = _inputs((2, 10, D_MODEL))
   checked = checkify.checkify(jax.jit(lambda x: layer(x)),
                               errors=checkify.user_checks)
-  assert checked(x)[0].get() is None
-  error = checked(x.at[1, 4, 3].set(jnp.nan))[0].get()
+  with deltajax.value_checks():
+    assert checked(x)[0].get() is None
+    error = checked(x.at[1, 4, 3].set(jnp.nan))[0].get()
   assert error.startswith("q must be finite; got q[1, 4,"), error
 
 
