@@ -149,6 +149,20 @@ def test_split_product_keeps_16_mantissa_bits():
   assert split < 2.0 ** -14 and single > 2.0 ** -10, (split, single)
 
 
+def test_reverse_cumsum_is_float32_accurate():
+  """core.reverse_cumsum of a float32 ``[C, K]`` (da's last step) in three
+  bf16 products, as on the GPU (not interpreted), on the CPU: within a few
+  float32 roundings of the float64 sums, where two bf16 pieces are not."""
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((64, 32)).astype(np.float32) * np.exp(
+      rng.uniform(-8, 8, (64, 1))).astype(np.float32)
+  exact = np.cumsum(x[::-1].astype(np.float64), axis=0)[::-1]
+  got = np.asarray(core.reverse_cumsum(jnp.asarray(x), core.Dot(False)),
+                   np.float64)
+  bound = np.cumsum(np.abs(x[::-1].astype(np.float64)), axis=0)[::-1]
+  assert np.max(np.abs(got - exact) / bound) < 2.0 ** -21
+
+
 def test_pallas_mixed_input_dtypes():
   """bf16 q, k with float32 v reach the kernels in one dtype (a Triton dot
   needs it), match chunked, and each gradient comes back in its input's
