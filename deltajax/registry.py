@@ -14,6 +14,7 @@ from typing import Callable
 import jax
 
 from deltajax import chunked
+from deltajax import mosaic
 from deltajax import pallas
 from deltajax import scan
 
@@ -64,6 +65,8 @@ class Implementation:
     auto_gates: the gate kinds for which ``impl="auto"`` may pick it: those
       whose kernels have been compiled and timed on their native backend
       (None: all of ``gates``). Others run when asked for by name.
+    wide: float32 and float64 q, k, v are computed at their precision;
+      False: its products are 16-bit, and it takes 16-bit q, k, v only.
   """
   name: str
   fn: Callable
@@ -75,6 +78,7 @@ class Implementation:
   emulated: bool = False
   min_capability: tuple[int, int] | None = None
   auto_gates: tuple[str, ...] | None = None
+  wide: bool = True
 
   def runs_natively(self) -> bool:
     """Whether it runs compiled on the default backend (and GPU)."""
@@ -91,8 +95,9 @@ class Implementation:
     return self.gates if self.auto_gates is None else self.auto_gates
 
   def unsupported(self, *, gate: str, chunk_size: int, packed: bool,
-                  grouped: bool) -> str | None:
-    """Why it cannot run this call, or None when it can."""
+                  grouped: bool, wide: bool = False) -> str | None:
+    """Why it cannot run this call, or None when it can; ``wide``: q, k, v
+    in float32 or float64."""
     if gate not in self.gates:
       return f"it has no {gate!r} gate (it supports {self.gates})"
     if chunk_size not in self.chunk_sizes:
@@ -101,6 +106,9 @@ class Implementation:
       return "it does not support segment_ids, cu_seqlens or a = -inf"
     if grouped and not self.grouped:
       return "it does not support grouped value heads"
+    if wide and not self.wide:
+      return ("its products are 16-bit: q, k and v must be bfloat16 or "
+              "float16")
     if not self.runs_natively() and not self.emulated:
       return f"it runs on {self.native} only, not {jax.default_backend()!r}"
     if (jax.default_backend() == "gpu" and self.min_capability is not None
@@ -124,7 +132,13 @@ REGISTRY = {
         "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
-        auto_gates=("head", "channel")),  # gdn2: not yet timed on the GPU
+        auto_gates=("head", "channel", "gdn2")),
+    # Hopper only; its forward is slower than "pallas" on the H200
+    # (benchmarks/RESULTS.md, run I), so "auto" does not pick it.
+    "mosaic": Implementation(
+        "mosaic", mosaic.gated_delta_mosaic, gates=("head",),
+        chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
+        min_capability=mosaic.MIN_CAPABILITY, auto_gates=(), wide=False),
 }
 
 IMPLEMENTATIONS = ("auto", *REGISTRY)
@@ -138,7 +152,7 @@ SCAN_BELOW = {"head": 1024, "channel": float("inf"),
 
 
 def select(impl: str, *, gate: str, length: int, chunk_size: int,
-           packed: bool, grouped: bool) -> Implementation:
+           packed: bool, grouped: bool, wide: bool = False) -> Implementation:
   """The implementation that runs a call: ``impl``, or the fastest for "auto".
 
   "auto" takes "pallas" where it runs natively (NVIDIA GPUs of compute
@@ -150,7 +164,7 @@ def select(impl: str, *, gate: str, length: int, chunk_size: int,
     ValueError: ``impl`` is unknown or cannot run this call.
   """
   features = dict(gate=gate, chunk_size=chunk_size, packed=packed,
-                  grouped=grouped)
+                  grouped=grouped, wide=wide)
   if impl == "auto":
     pallas_impl = REGISTRY["pallas"]
     if (pallas_impl.runs_natively() and gate in pallas_impl.chosen_by_auto()

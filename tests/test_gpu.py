@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import deltajax
+from deltajax import mosaic
 from deltajax import pallas
 import utils
 
@@ -81,6 +82,18 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
 def test_pallas_bf16_matches_float64_reference(t, d):
   args, cts = _inputs(t, d, seed=t * 1000 + d)
   _check("pallas", args, cts, label=f"pallas T={t} D={d}")
+
+
+@pytest.mark.skipif(pallas.gpu_capability() is None
+                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
+                    reason="impl='mosaic' needs Hopper (compute capability 9.0)")
+@pytest.mark.parametrize("t,d,hv", [(63, 100, None), (1000, 64, None),
+                                    (4096, 128, None), (1000, 128, 4)])
+def test_mosaic_bf16_matches_float64_reference(t, d, hv):
+  """The Mosaic GPU forward (and the Pallas backward it reuses), grouped
+  value heads in the last case."""
+  args, cts = _inputs(t, d, seed=t * 1000 + d, hv=hv)
+  _check("mosaic", args, cts, label=f"mosaic T={t} D={d} HV={hv}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],

@@ -15,4 +15,6 @@ def test_demo_reports_every_implementation_close_to_scan(capsys):
   assert sorted(diffs) == sorted(registry.REGISTRY), out
   assert re.search(r"impl=\"auto\" for the 'channel' gate picks '\w+'", out)
   assert float(diffs["scan"]) == 0.0
-  assert all(float(d) < 1e-4 for d in diffs.values()), out
+  # "mosaic" (16-bit products) runs on bfloat16 q, k, v.
+  assert all(float(d) < (1e-2 if impl == "mosaic" else 1e-4)
+             for impl, d in diffs.items()), out

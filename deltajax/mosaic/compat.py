@@ -1,0 +1,135 @@
+"""What differs between compiled Mosaic GPU, its CPU interpreter and JAX releases.
+
+The kernels of this package are written once against :class:`Mosaic`, which
+either compiles them for Hopper (``plgpu.kernel``, JAX 0.11) or runs them in
+the Mosaic GPU interpreter of JAX 0.10 on the CPU. The interpreter of JAX
+0.10.2 lacks two things the compiled kernels use, and :class:`Mosaic`
+stands in for them when interpreting:
+
+* ``plgpu.wgmma`` reads only untransposed shared-memory operands (a
+  transposed ref fails in its ``to_range``) and has no register operand: the
+  product is then formed from the loaded values (``jnp.dot``, float32
+  accumulation, the same operand roundings);
+* ``layout_cast`` (behind ``plgpu.broadcasted_iota(layout=...)`` and
+  ``plgpu.load(layout=...)``) has no CPU rule: plain ``lax`` ops instead.
+
+Between releases, ``plgpu.load`` takes its index positionally in 0.10 and
+optionally in 0.11 (:meth:`Mosaic.load` passes ``()``).
+
+So the interpreter checks the kernels' data movement (TMA copies, barriers:
+it runs the warpgroups and insists that every barrier phase be observed)
+and their arithmetic, not the register layouts or the wgmma operand forms.
+Those are checked by lowering the kernels for CUDA on the CPU
+(tests/test_mosaic.py: Mosaic GPU's layout inference and wgmma checks) and
+compiled only on the GPU (benchmarks/mosaic_check.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WGMMA = plgpu.Layout.WGMMA
+ROWS = WGMMA.reduce(1)  # one value per row of a WGMMA tile
+COLS = WGMMA.reduce(0)  # one value per column
+
+
+def interpret_params():
+  """The interpreter's parameters (None where JAX has no interpreter)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError:  # a JAX without the Mosaic GPU interpreter
+    return None
+  return InterpretGPUParams()
+
+
+def smem(shape, dtype):
+  """Shared memory tiled and swizzled for TMA and wgmma (rows along the last
+  axis): the widest swizzle the row allows."""
+  dtype = jnp.dtype(dtype)
+  swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+      plgpu.SwizzleTransform(swizzle)))
+
+
+@dataclasses.dataclass(frozen=True)
+class T:
+  """A shared-memory operand of :meth:`Mosaic.mm` read transposed."""
+  ref: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Mosaic:
+  """The kernels' view of Mosaic GPU: compiled (``interpret=False``) or
+  interpreted on the CPU."""
+  interpret: bool
+
+  def kernel(self, body, **kwargs):
+    """``plgpu.kernel`` (interpreted, or compiled with fast math)."""
+    if self.interpret:
+      return plgpu.kernel(body, interpret=interpret_params(), **kwargs)
+    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
+        approx_math=True), **kwargs)
+
+  def set_max_registers(self, n, *, action):
+    """A warpgroup's register budget (nothing to set when interpreting)."""
+    if not self.interpret:
+      plgpu.set_max_registers(n, action=action)
+
+  def iota(self, shape, dim):
+    """int32 iota in the WGMMA layout."""
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+
+  def load(self, ref, layout):
+    """The whole ``ref`` in ``layout`` (ROWS, COLS or WGMMA)."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=layout)
+
+  def mm(self, pairs, shape, init=None):
+    """``init + sum(a @ b for a, b in pairs)``, ``[M, N]`` float32: one
+    product of :meth:`products`."""
+    return self.products([(pairs, shape, init)])[0]
+
+  def products(self, products):
+    """Several ``init + sum(a @ b for a, b in pairs)`` (``products``: a list
+    of ``(pairs, shape, init or None)``), float32, issued together on the
+    tensor cores and waited for once. Each ``a`` is a 16-bit value in the
+    WGMMA layout or a shared memory ref, each ``b`` a shared memory ref;
+    either may be :class:`T` (read transposed). The results pass an
+    optimization barrier, so that no use of them is scheduled before the
+    wgmma wait (jla's note: the wait carries no data dependency)."""
+    if self.interpret:  # a value or a ref: x[...] is either's value
+      value = lambda x: x.ref[...].T if isinstance(x, T) else x[...]
+      return tuple(
+          sum((jnp.dot(value(a), value(b), preferred_element_type=jnp.float32)
+               for a, b in pairs),
+              jnp.zeros(shape, jnp.float32) if init is None else init)
+          for pairs, shape, init in products)
+    ref = lambda x: plgpu.transpose_ref(x.ref, (1, 0)) if isinstance(x, T) \
+        else x
+
+    def issue(*accs):
+      for acc, (pairs, _, _) in zip(accs, products):
+        for a, b in pairs:
+          plgpu.wgmma(acc, ref(a), ref(b))
+
+    if len(products) == 1 and products[0][2] is None:
+      def scoped(acc):
+        issue(acc)
+        return (acc[...],)
+      out = pl.run_scoped(scoped, plgpu.ACC(products[0][1], jnp.float32))
+    else:  # several accumulators: one run_state, as jla does on JAX 0.11
+      inits = tuple(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
+                    if init is None else init
+                    for _, shape, init in products)
+      out = pl.run_state(lambda accs: issue(*accs))(
+          tuple(plgpu.ACC.init(x) for x in inits))
+    return lax.optimization_barrier(tuple(out))

@@ -1,0 +1,335 @@
+"""The fused forward in Mosaic GPU: the state scan and the output, by chunks.
+
+One CTA per (batch, value head, block of BV = 64 value columns) walks the
+chunks in order with the state ``S [K, BV]`` in float32 registers (a wgmma
+accumulator). Per chunk (GDN seed, section 3.3, the UT form, with ``g`` the
+chunk-local cumulative gate)::
+
+  Delta = T diag(b) (V - (K e^g) S)              (= U - W S)
+  O     = ((scale e^g) Q) S + (scale Gamma * Q K^T) Delta
+  S    <- e^{g_C} S + K^T (e^{g_C - g} Delta)
+
+as wgmmas with 16-bit operands and float32 accumulation: ``K S`` (S's bf16
+copy staged in shared memory), ``T Y``, the state update, ``Q K^T`` and the
+output (``P Delta`` in three passes, about float32, as the Pallas output
+kernel: rounding both to bf16 cost 1e-2 of o's relative error at b near 2
+with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
+falls within the chunk; above the diagonal the difference is masked to
+``-inf`` before ``exp``, seed section 4.1).
+
+Two schedules of the same steps (``specialized``):
+
+* one warpgroup does everything, in order; TMA brings the next chunk's q, k,
+  v, T, gate and beta into the other of two shared-memory slots meanwhile;
+* three warpgroups: WG2 streams the chunks' tiles through two slots, WG0
+  carries the state (only ``K S``, ``T Y`` and the update are on the
+  sequential path) and publishes S's bf16 copy and Delta in shared memory,
+  WG1 forms the scores and the output from them, one chunk behind WG0 at
+  most.
+
+With ``save``, the kernel also writes what the Pallas backward reads: each
+chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.mosaic import compat
+from deltajax.mosaic import ut
+from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+
+C = 64
+BV = 64  # value columns per CTA
+SLOTS = 2  # chunks of input tiles in flight
+_INPUTS = 7  # TMA copies per chunk: q, k, v, T, the gate twice, beta
+
+
+class _Shared(NamedTuple):
+  """Shared memory: per-slot input tiles, then the per-chunk tiles."""
+  q: object       # [SLOTS, C, K]
+  k: object       # [SLOTS, C, K]
+  v: object       # [SLOTS, C, BV]
+  t: object       # [SLOTS, C, C]
+  g_rows: object  # [SLOTS, C] float32, read per row
+  g_cols: object  # [SLOTS, C] float32, read per column
+  beta: object    # [SLOTS, C] float32
+  s: object       # [K, BV] S's 16-bit copy
+  y: object       # [C, BV] diag(b) (V - (K e^g) S)
+  d_hi: object    # [C, BV] Delta, and the rest of it
+  d_lo: object
+  e: object       # [C, BV] e^{g_C - g} Delta
+  o: object       # [C, BV] the output tile
+  f: object       # [K, BV] float32: the initial, then the final state
+  loaded: object  # SLOTS barriers: a slot's tiles arrived
+  s0: object      # barrier: the initial state arrived
+
+
+def _rows(x, shape):
+  """A per-row ``[C]`` value broadcast over ``shape``'s columns."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+class _Chunk(NamedTuple):
+  """One chunk's view of the kernel: refs, indices and its slot."""
+  mg: object
+  sh: _Shared
+  slot: object
+  tokens: object
+
+  def gates(self):
+    """``(g [C] per row, g at the chunk's end)``."""
+    return (self.mg.load(self.sh.g_rows.at[self.slot], ROWS),
+            self.sh.g_rows[self.slot, C - 1])
+
+  def delta(self, ks):
+    """Delta from ``K S`` (float32 ``[C, BV]``), staged in ``d_hi``,
+    ``d_lo``, and its decay to the chunk's end in ``e``."""
+    mg, sh, slot = self.mg, self.sh, self.slot
+    g_row, g_end = self.gates()
+    tile = (C, BV)
+    v = mg.load(sh.v.at[slot], WGMMA).astype(jnp.float32)
+    beta = mg.load(sh.beta.at[slot], ROWS)
+    sh.y[...] = (_rows(beta, tile) * (v - _rows(jnp.exp(g_row), tile) * ks)
+                 ).astype(sh.y.dtype)
+    plgpu.commit_smem()
+    delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
+    sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
+    sh.e[...] = (delta * _rows(jnp.exp(g_end - g_row), tile)).astype(
+        sh.y.dtype)
+    plgpu.commit_smem()
+
+  def update(self, s, also=()):
+    """``e^{g_C} S + K^T e`` (and the ``also`` products, waited for with
+    it)."""
+    _, g_end = self.gates()
+    return self.mg.products([
+        ([(compat.T(self.sh.k.at[self.slot]), self.sh.e)], s.shape,
+         jnp.exp(g_end) * s), *also])
+
+  def scores(self, qk, scale):
+    """``P = scale Gamma * Q K^T`` from ``qk``: its bf16 halves."""
+    square = (C, C)
+    rows, cols = self.mg.iota(square, 0), self.mg.iota(square, 1)
+    g_row, _ = self.gates()
+    g_col = self.mg.load(self.sh.g_cols.at[self.slot], COLS)
+    gamma = jnp.exp(jnp.where(
+        rows >= cols, _rows(g_row, square)
+        - lax.broadcast_in_dim(g_col, square, [1]), -jnp.inf))
+    return ut.halves(scale * gamma * qk, self.sh.y.dtype)
+
+  def output(self, p, scale):
+    """The products of ``O = ((scale e^g) Q) S + P Delta`` (``p``: P's
+    halves; Delta and S staged)."""
+    sh, (p_hi, p_lo) = self.sh, p
+    g_row, _ = self.gates()
+    q = self.mg.load(sh.q.at[self.slot], WGMMA).astype(jnp.float32)
+    qg = (q * _rows(scale * jnp.exp(g_row), q.shape)).astype(sh.y.dtype)
+    return ([(qg, sh.s), (p_hi, sh.d_hi), (p_lo, sh.d_hi),
+             (p_hi, sh.d_lo)], (C, BV), None)
+
+  def store_output(self, o, o_ref, at):
+    """``o`` to HBM through ``sh.o`` (after the previous tile left)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    self.sh.o[...] = o.astype(self.sh.o.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(self.sh.o, o_ref.at[at])
+
+
+def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
+          scale, save, specialized):
+  o_ref, final_ref, *refs = refs
+  states_ref, delta_ref = refs[:2] if save else (None, None)
+  refs = refs[2:] if save else refs
+  sh = _Shared(*refs[:len(_Shared._fields)])
+  sync = refs[len(_Shared._fields):]
+  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
+  n_chunks = q_ref.shape[1] // C
+
+  def issue(n, slot):
+    tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
+    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
+                     (k_ref.at[bi, tokens, hk], sh.k),
+                     (v_ref.at[bi, tokens, h, cols], sh.v),
+                     (t_ref.at[bi, h, tokens], sh.t),
+                     (g_ref.at[bi, h, tokens], sh.g_rows),
+                     (g_ref.at[bi, h, tokens], sh.g_cols),
+                     (b_ref.at[bi, h, tokens], sh.beta)):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
+
+  def chunk(n):
+    return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds(n * C, C))
+
+  def initial_state():
+    plgpu.copy_gmem_to_smem(s0_ref.at[bi, h, :, cols], sh.f, sh.s0)
+    plgpu.barrier_wait(sh.s0)
+    return mg.load(sh.f, WGMMA)
+
+  def publish_state(s):
+    """S's 16-bit copy for the products (and to HBM with ``save``)."""
+    sh.s[...] = s.astype(sh.s.dtype)
+    plgpu.commit_smem()
+
+  def save_chunk(n, x):
+    if save:
+      plgpu.copy_smem_to_gmem(sh.s, states_ref.at[bi, h, n, :, cols])
+      plgpu.copy_smem_to_gmem(sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
+
+  def final_state(s):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = s
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, final_ref.at[bi, h, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  if not specialized:
+    def step(n, s):
+      x = chunk(n)
+      plgpu.barrier_wait(sh.loaded.at[x.slot])
+
+      @pl.when(n + 1 < n_chunks)
+      def _prefetch():  # the other slot's last reader (chunk n - 1) is done
+        issue(n + 1, 1 - x.slot)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores
+      publish_state(s)
+      ks, qk = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
+                            ([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))],
+                             (C, C), None)])
+      x.delta(ks)
+      save_chunk(n, x)
+      s, o = x.update(s, also=[x.output(x.scores(qk, scale), scale)])
+      x.store_output(o, o_ref, (bi, x.tokens, h, cols))
+      return s
+
+    issue(0, 0)
+    final_state(lax.fori_loop(0, n_chunks, step, initial_state()))
+    return
+
+  free, s_ready, s_free, done = sync
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _memory():
+    mg.set_max_registers(40, action="decrease")
+    for n in range(min(SLOTS, n_chunks)):
+      issue(n, n)
+
+    @pl.loop(SLOTS, n_chunks)
+    def _refill(n):
+      slot = lax.rem(n, SLOTS)
+      plgpu.barrier_wait(free.at[slot])  # both readers of chunk n - SLOTS
+      issue(n, slot)
+
+    @pl.loop(max(n_chunks - SLOTS, 0), n_chunks)
+    def _drain(n):  # observe the last chunks' releases too
+      plgpu.barrier_wait(free.at[lax.rem(n, SLOTS)])
+
+  @pl.when(wg == 0)
+  def _state():
+    mg.set_max_registers(232, action="increase")
+
+    def step(n, s):
+      x = chunk(n)
+      plgpu.barrier_wait(sh.loaded.at[x.slot])
+
+      @pl.when(n > 0)
+      def _():  # WG1 is done with chunk n - 1's S and Delta
+        plgpu.barrier_wait(s_free)
+
+      publish_state(s)
+      (ks,) = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None)])
+      x.delta(ks)
+      plgpu.barrier_arrive(s_ready)
+      (s,) = x.update(s)
+      plgpu.barrier_arrive(free.at[x.slot])
+      return s
+
+    s = lax.fori_loop(0, n_chunks, step, initial_state())
+    plgpu.barrier_wait(s_free)  # WG1's release of the last chunk
+    final_state(s)
+
+  @pl.when(wg == 1)
+  def _output():
+    mg.set_max_registers(232, action="increase")
+
+    @pl.loop(0, n_chunks)
+    def _step(n):
+      x = chunk(n)
+      plgpu.barrier_wait(sh.loaded.at[x.slot])
+      qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
+      p = x.scores(qk, scale)
+      plgpu.barrier_wait(s_ready)
+      (o,) = mg.products([x.output(p, scale)])
+      save_chunk(n, x)
+      if save:  # S and Delta stay until their copies have left
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.barrier_arrive(s_free)
+      plgpu.barrier_arrive(free.at[x.slot])
+      x.store_output(o, o_ref, (bi, x.tokens, h, cols))
+
+    plgpu.wait_smem_to_gmem(0)
+
+  # Every warpgroup leaves together (jla saw illegal instructions on sm_90
+  # when one exited while another still issued wgmmas).
+  plgpu.barrier_arrive(done)
+  plgpu.barrier_wait(done)
+
+
+def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
+            specialized=False):
+  """The outputs and final state (and with ``save`` the backward's inputs).
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, one 16-bit dtype; K in
+      {64, 128}, V a multiple of 64, T a multiple of 64.
+    t: ``[B, HV, T, C]`` from :func:`ut.inverse`.
+    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    initial_state: ``[B, HV, K, V]`` float32.
+    scale: Python float multiplying q.
+    save: also return the chunk-entry states and Delta.
+    specialized: three warpgroups (state, output, TMA) instead of one.
+
+  Returns:
+    ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32)``,
+    then with ``save`` ``states [B, HV, T / C, K, V]`` and ``delta [B, T,
+    HV, V]`` in v's dtype.
+  """
+  bsz, t_len, h, dk = k.shape
+  heads, dv = v.shape[2:]
+  dtype = v.dtype
+  out_type = [jax.ShapeDtypeStruct(v.shape, dtype),
+              jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
+  if save:
+    out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
+                 jax.ShapeDtypeStruct(v.shape, dtype)]
+  vec = plgpu.SMEM((SLOTS, C), jnp.float32)
+  tile = compat.smem((C, BV), dtype)
+  scratch = [compat.smem((SLOTS, C, dk), dtype),
+             compat.smem((SLOTS, C, dk), dtype),
+             compat.smem((SLOTS, C, BV), dtype),
+             compat.smem((SLOTS, C, C), dtype), vec, vec, vec,
+             compat.smem((dk, BV), dtype), tile, tile, tile, tile, tile,
+             compat.smem((dk, BV), jnp.float32),
+             plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
+             plgpu.Barrier(num_arrivals=1)]
+  threads = {}
+  if specialized:
+    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
+                plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
+                plgpu.Barrier(num_arrivals=3)]
+    threads = dict(num_threads=3, thread_name="wg")
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
+                             save=save, specialized=specialized)
+  return mg.kernel(body, out_type=out_type, scratch_types=scratch,
+                   grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+                   kernel_name="deltajax_mosaic_scan", **threads,
+                   )(q, k, v, t, g, b, initial_state)

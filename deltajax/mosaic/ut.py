@@ -1,0 +1,121 @@
+"""The UT inverse in Mosaic GPU: per chunk, ``T = (I + diag(b) A)^-1``.
+
+``A = Gamma * K K^T`` (strictly lower; GDN seed, section 2.3) for a scalar
+gate, so ``I + diag(b) A`` is unit lower triangular. The math is
+:mod:`deltajax.pallas.ut`'s: the 16x16 diagonal blocks are inverted by
+forward substitution (all four at once, 15 steps on the ``[64, 64]`` tile in
+float32 registers), then the blocks below them by block forward substitution,
+``T_I,: = -T_II sum_{M < I} A_IM T_M,:`` for block rows I = 1, 2, 3, as two
+``[64, 64]`` products per block row on the tensor cores, each in three bf16
+passes (the operands split into their bf16 rounding and the rest), about
+float32 accuracy.
+
+One CTA (one warpgroup) per (batch, chunk, value head): TMA brings the
+chunk's keys (q/k head ``j // G``), gate and beta into shared memory;
+``K K^T`` is one wgmma.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.mosaic import compat
+from deltajax.mosaic.compat import COLS, ROWS
+
+C = 64   # the chunk: one wgmma tile of rows
+SUB = 16  # the diagonal blocks solved by substitution
+
+
+def halves(x, dtype):
+  """``x`` float32 -> its ``dtype`` rounding and the rounding of the rest."""
+  high = x.astype(dtype)
+  return high, (x - high.astype(jnp.float32)).astype(dtype)
+
+
+def _split_product(mg, a, b, b_hi, b_lo):
+  """``a @ b`` of float32 ``[C, C]`` values in three bf16 passes (the
+  product of the rests dropped); ``b`` is staged in ``b_hi``, ``b_lo``."""
+  a_hi, a_lo = halves(a, b_hi.dtype)
+  b_hi[...], b_lo[...] = halves(b, b_hi.dtype)
+  plgpu.commit_smem()
+  return mg.mm([(a_hi, b_hi), (a_lo, b_hi), (a_hi, b_lo)], (C, C))
+
+
+def _invert_diagonal(mg, a):
+  """The inverses of the 16x16 diagonal blocks of ``I + a`` (zero
+  elsewhere) for the strictly lower float32 ``a [C, C]``, and each entry's
+  row and column block."""
+  rows, cols = mg.iota((C, C), 0), mg.iota((C, C), 1)
+  row_block, col_block = lax.div(rows, SUB), lax.div(cols, SUB)
+  within = lax.rem(rows, SUB)
+  same = row_block == col_block
+  x = jnp.where(rows == cols, 1.0, 0.0)
+  for r in range(SUB - 1):
+    # Right-looking substitution in every diagonal block at once: row r of
+    # each block is final; rows below it lose a_ir times it.
+    a_col = jnp.sum(jnp.where(cols == row_block * SUB + r, a, 0.0), axis=1)
+    x_row = jnp.sum(jnp.where(within == r, x, 0.0), axis=0)
+    x = x - jnp.where(same, lax.broadcast_in_dim(a_col, (C, C), [0])
+                      * lax.broadcast_in_dim(x_row, (C, C), [1]), 0.0)
+  return x, row_block, col_block
+
+
+def _body(mg, k_ref, g_ref, b_ref, t_ref, k_s, g_rows, g_cols, b_s, hi_s,
+          lo_s, t_s, bar, *, groups):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens = pl.ds(n * C, C)
+  plgpu.copy_gmem_to_smem(k_ref.at[bi, tokens, lax.div(h, groups)], k_s, bar)
+  for dst, src in ((g_rows, g_ref), (g_cols, g_ref), (b_s, b_ref)):
+    plgpu.copy_gmem_to_smem(src.at[bi, h, tokens], dst, bar)
+  plgpu.barrier_wait(bar)
+  kk = mg.mm([(k_s, compat.T(k_s))], (C, C))
+  rows, cols = mg.iota((C, C), 0), mg.iota((C, C), 1)
+  g_row, g_col = mg.load(g_rows, ROWS), mg.load(g_cols, COLS)
+  # diag(b) (Gamma * K K^T), the decay masked before exp (seed, section 4.1).
+  gamma = jnp.exp(jnp.where(rows > cols,
+                            lax.broadcast_in_dim(g_row, (C, C), [0])
+                            - lax.broadcast_in_dim(g_col, (C, C), [1]),
+                            -jnp.inf))
+  a = lax.broadcast_in_dim(mg.load(b_s, ROWS), (C, C), [0]) * gamma * kk
+  diagonal, row_block, col_block = _invert_diagonal(mg, a)
+  t = diagonal
+  below = jnp.where(row_block > col_block, a, 0.0)
+  for block in range(1, C // SUB):
+    # Block row I: T_I,: = -T_II sum_{M < I} A_IM T_M,: (rows of the blocks
+    # above are final; the products vanish outside block row I).
+    link = _split_product(mg, jnp.where(row_block == block, below, 0.0), t,
+                          hi_s, lo_s)
+    t = t - _split_product(mg, diagonal, link, hi_s, lo_s)
+  t_s[...] = t.astype(t_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(t_s, t_ref.at[bi, h, tokens])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def inverse(mg, k, g, b, heads):
+  """``T`` of every chunk.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    k: ``[B, T, H, K]`` 16-bit, K 64 or 128, T a multiple of 64.
+    g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
+    b: ``[B, HV, T]`` float32 beta.
+    heads: HV (a multiple of H).
+
+  Returns:
+    ``t [B, HV, T, C]`` in k's dtype: each chunk's inverse at its rows.
+  """
+  bsz, t_len, h, dk = k.shape
+  vec = plgpu.SMEM((C,), jnp.float32)
+  square = compat.smem((C, C), k.dtype)
+  body = lambda *refs: _body(mg, *refs, groups=heads // h)
+  return mg.kernel(
+      body, out_type=jax.ShapeDtypeStruct((bsz, heads, t_len, C), k.dtype),
+      scratch_types=[compat.smem((C, dk), k.dtype), vec, vec, vec, square,
+                     square, square, plgpu.Barrier(num_arrivals=4)],
+      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
+      kernel_name="deltajax_mosaic_ut_inverse")(k, g, b)

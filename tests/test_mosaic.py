@@ -1,0 +1,163 @@
+"""impl="mosaic" in the Mosaic GPU interpreter on the CPU (the GPU run:
+tests/test_gpu.py, benchmarks/mosaic_check.py).
+
+The interpreter checks the kernels' data movement and arithmetic, not their
+register layouts or wgmma operand forms (deltajax/mosaic/compat.py). The
+products take 16-bit operands, so every check is at fla's tolerances against
+float64 on the same rounded inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deltajax
+from deltajax import pallas
+from deltajax import mosaic
+from deltajax.mosaic import compat
+from deltajax.mosaic import scan
+from deltajax.mosaic import ut
+import utils
+
+pytestmark = pytest.mark.skipif(
+    pallas.gpu_capability() is not None,
+    reason="interpreter checks; on a GPU run tests/test_gpu.py")
+
+TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, da=0.02,
+                  db=0.02, dh0=0.008)
+
+
+def _value_and_grads(impl, args, cts):
+  """``{name: float64 numpy}``: outputs and gradients, under one jit."""
+  def run(args, cts):
+    f = lambda *x: deltajax.gated_delta(
+        *x[:5], initial_state=x[5], impl=impl, return_final_state=True)
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
+  out, grads = jax.jit(run)(args, tuple(jnp.asarray(c) for c in cts))
+  return {n: np.asarray(x, np.float64)
+          for n, x in zip(TOLERANCES, (*out, *grads))}
+
+
+def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES):
+  """Mosaic on q, k, v in ``dtype`` against float64 on the same values."""
+  cts = utils.random_cotangents(1, x)
+  args = (tuple(jnp.asarray(t, dtype) for t in x[:3])
+          + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  got = _value_and_grads("mosaic", args, cts)
+  with jax.enable_x64(True):
+    low = tuple(jnp.asarray(t, jnp.bfloat16) for t in args[:3]) + args[3:]
+    ref = _value_and_grads(
+        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in low), cts)
+  for name, tol in tolerances.items():
+    assert np.all(np.isfinite(got[name])), name
+    err = utils.relative_rms_error(got[name], ref[name])
+    assert err < tol, (name, err)
+
+
+# (B, T, H, HV, K, V): T not a multiple of the chunk with head dims padded
+# (48 -> 64); two chunks with V = 128 (two V blocks of the scan); grouped
+# value heads (K = 100 -> 128).
+@pytest.mark.parametrize("shape", [(1, 100, 2, 2, 48, 48),
+                                   (1, 128, 1, 1, 64, 128),
+                                   (1, 40, 1, 2, 100, 64)])
+def test_mosaic_matches_float64(shape):
+  bsz, t, h, hv, dk, dv = shape
+  _check(utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
+                             value_heads=hv, key_dim=dk, value_dim=dv,
+                             gate_scale=0.25, state_scale=0.1))
+
+
+def test_mosaic_strong_gates_stay_finite():
+  """a = -5 on every token of the first chunk and -30 on single tokens, b
+  near 2, nearly aligned keys: every exponent is <= 0, nothing overflows.
+  The bf16 roundings cost more here (impl="pallas" has the same errors: o
+  7e-3, da 3.5e-2)."""
+  x = utils.strong_kda_inputs(5, length=128, key_dim=64, value_dim=64)
+  a = np.where(np.arange(128)[None, :, None] < 64, -5.0, x.a[..., 0])
+  a[:, 70] = a[:, 100] = -30.0
+  _check(x._replace(a=a, initial_state=0.1 * x.initial_state),
+         tolerances=dict.fromkeys(TOLERANCES, 0.05))
+
+
+def test_specialized_schedule_gives_the_same_results():
+  """The three-warpgroup scan (the interpreter runs its warpgroups and
+  checks that every barrier phase is observed) computes what the one
+  warpgroup scan does: outputs, final state and, through the chunk states
+  and Delta it saves, the gradients."""
+  x = utils.random_inputs(9, batch=1, length=192, heads=1, value_heads=1,
+                          key_dim=64, value_dim=64, gate_scale=0.25,
+                          state_scale=0.1)
+  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
+  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
+  cts = tuple(jnp.asarray(c, jnp.float32)
+              for c in utils.random_cotangents(2, x))
+
+  def run(specialized):
+    f = lambda *args: mosaic.gated_delta_mosaic(
+        *args[:4], args[4], args[5], None, None, scale=0.125, chunk_size=64,
+        specialized=specialized)
+    out, vjp = jax.vjp(f, q, k, v, a[..., None], b, s0)
+    return out, vjp((cts[0].astype(jnp.bfloat16), cts[1]))
+
+  for got, want in zip(jax.tree.leaves(run(True)),
+                       jax.tree.leaves(run(False))):
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(want, np.float32), rtol=0,
+                               atol=1e-6 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("beta", [1.0, 1.99])
+def test_inverse_is_stable_for_aligned_keys(beta):
+  """Identical keys, no decay: substitution keeps T exact to its bf16
+  rounding where a power series of A would cancel catastrophically."""
+  c = ut.C
+  rng = np.random.default_rng(3)
+  k = np.tile(rng.standard_normal((1, 64)), (c, 1))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  k = np.asarray(jnp.asarray(k, jnp.bfloat16), np.float64)
+  expected = np.linalg.inv(np.eye(c) + np.tril(beta * (k @ k.T), -1))
+  t = ut.inverse(compat.Mosaic(interpret=True),
+                 jnp.asarray(k[None, :, None], jnp.bfloat16),
+                 jnp.zeros((1, 1, c)), jnp.full((1, 1, c), beta), heads=1)
+  got = np.asarray(t[0, 0], np.float64)
+  assert np.max(np.abs(got - expected)) < 2 ** -8 * np.max(np.abs(expected))
+
+
+@pytest.mark.parametrize("option,message", [
+    (dict(chunk_size=32), "chunk_size must be one of"),
+    (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids"),
+    (dict(per_channel=True), "no 'channel' gate"),
+    (dict(key_dim=256), "head dims up to 128"),
+    (dict(dtype=jnp.float32), "q, k and v must be bfloat16 or float16"),
+])
+def test_mosaic_refuses_what_it_lacks(option, message):
+  option = dict(option)
+  dtype = option.pop("dtype", jnp.bfloat16)
+  shape = dict(key_dim=option.pop("key_dim", 64),
+               per_channel=option.pop("per_channel", False))
+  x = utils.random_inputs(0, batch=1, length=64, heads=1, value_dim=64,
+                          **shape)
+  with pytest.raises(ValueError, match=message):
+    deltajax.gated_delta(*(jnp.asarray(t, dtype) for t in x[:3]),
+                         *(jnp.asarray(t, jnp.float32) for t in x[3:5]),
+                         impl="mosaic", **option)
+
+
+@pytest.mark.parametrize("specialized", [False, True])
+def test_kernels_lower_for_the_gpu(specialized):
+  """Both kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
+  GPU's layout inference and wgmma operand checks run (what the interpreter
+  skips); grouped value heads, K = V = 128 with two V blocks, the saved
+  states."""
+  mg = compat.Mosaic(interpret=False)
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
+  forward = lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
+                                    specialized=specialized)
+  for fn, args in [
+      (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
+      (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
+                 vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32)))]:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
