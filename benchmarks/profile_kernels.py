@@ -50,9 +50,9 @@ def stage_inputs(shape, gate="gdn", c=64):
   q, k, v, a, b, do = make_inputs(shape, gate=gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a = jnp.asarray(a) if channel else jnp.asarray(a)[..., None]
-  g, beta, _, decayed = ops._gates(a, jnp.asarray(b), None, c, jnp.float32,
-                                   shape[3], False, from_start=(q, k),
-                                   to_end=(k,))
+  g, beta, _, decayed = ops.gates(a, jnp.asarray(b), None, c, jnp.float32,
+                                  shape[3], False, from_start=(q, k),
+                                  to_end=(k,))
   qg, kg, kd = decayed or (None, None, None)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.KernelConfig(interpret=False)

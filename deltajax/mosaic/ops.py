@@ -90,9 +90,9 @@ def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
   vp = common.pad_axis(v, 3, _width(n_v))
-  g, beta, _, _ = pallas_ops._gates(a, b, None, CHUNK, jnp.float32,
-                                    q.shape[-1], mg.interpret)
-  s0 = pallas_ops._pad_state(initial_state, q.shape[-1], vp.shape[-1])
+  g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
+                                   q.shape[-1], mg.interpret)
+  s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
   t = ut.inverse(mg, k, g, beta, heads=v.shape[2])
   o, final, *saved = scan.forward(mg, q, k, vp, t, g, beta, s0, scale=scale,
                                   save=save, specialized=specialized)
@@ -122,7 +122,7 @@ def _fwd(scale, specialized, q, k, v, a, b, initial_state):
 def _bwd(scale, specialized, residuals, cotangents):
   del specialized  # the backward is the Pallas one
   config = pallas_core.KernelConfig().resolve()
-  grads = pallas_ops._bwd(scale, CHUNK, config, residuals, cotangents)
+  grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents)
   return grads[:6]  # those of q, k, v, a, b and initial_state
 
 

@@ -106,8 +106,8 @@ def _read_keys(b, q, k, v):
   return jnp.ones(erase.shape[:3], erase.dtype), kr.astype(dtype), v
 
 
-def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
-           to_end=()):
+def gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
+          to_end=()):
   """``[B, T, HV, W]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
   the chunk-local cumulative gate, ``[B, HV, T]`` (W = 1) or
   ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]``, the
@@ -135,7 +135,7 @@ def _gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
   return g, beta, cuts, starts + ends
 
 
-def _pad_state(s, k_dim, v_dim):
+def pad_state(s, k_dim, v_dim):
   """``[N, HV, K, V]`` padded with zeros to ``[N, HV, k_dim, v_dim]``."""
   return common.pad_axis(common.pad_axis(s, 2, k_dim), 3, v_dim)
 
@@ -177,13 +177,13 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   krp = _pad_keys(kr, kp)
   # Per channel: Q e^g for the output, Kr e^g (the read keys, K without kr)
   # and K e^{g_C - g} for the scan.
-  g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                                  config.interpret,
-                                  from_start=(qp, kp if kr is None else krp),
-                                  to_end=(kp,))
+  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                                 config.interpret,
+                                 from_start=(qp, kp if kr is None else krp),
+                                 to_end=(kp,))
   qg, *keys = decayed or (None,)
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
-  s0 = _pad_state(initial_state, kp.shape[-1], vp.shape[-1])
+  s0 = pad_state(initial_state, kp.shape[-1], vp.shape[-1])
   heads = v.shape[2]
   if g.ndim == 4:
     a_kk, p = intra.forward(q=qp, k=kp, kr=krp, g=g, cuts=cuts, heads=heads,
@@ -215,7 +215,9 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, kr, saved)
 
 
-def _bwd(scale, chunk_size, config, residuals, cotangents):
+def backward(scale, chunk_size, config, residuals, cotangents):
+  """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
+  backward, on the residuals its forward saves in this layout)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -225,12 +227,12 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
   qp, kp, vp = _padded(q, k, v)
   krp = _pad_keys(kr, kp)
   # Per channel: Q e^g and K e^{g_C - g} for the backward scan.
-  g, beta, cuts, decayed = _gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                                  config.interpret, from_start=(qp,),
-                                  to_end=(kp,))
+  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                                 config.interpret, from_start=(qp,),
+                                 to_end=(kp,))
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
-  d_final_p = _pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
+  d_final_p = pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
                 t=t, launch=launch("w_u"), **shared)
   # The output's last cotangent is dk's share, or P's for a per-channel gate.
@@ -287,4 +289,4 @@ def _pallas(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
                   cut, chunk_seq, kr)[0]
 
 
-_pallas.defvjp(_fwd, _bwd)
+_pallas.defvjp(_fwd, backward)
