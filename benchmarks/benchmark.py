@@ -119,13 +119,15 @@ def load_jla(gate):
   except ImportError as e:
     log(f"jla not importable ({e}); skipping it")
     return None
-  scale = lambda q: q.shape[-1] ** -0.5
-  if gate == "gdn2":
-    return lambda q, k, v, a, b: ops.linear_attention(
-        "gdn2", q, k, v, g=a, b=b[0], w=b[1], scale=scale(q))[0]
-  kind = "kda" if gate == "kda" else "gated_deltanet"
-  return lambda q, k, v, a, b: ops.linear_attention(
-      kind, q, k, v, g=a, beta=b, scale=scale(q))[0]
+  kind = {"gdn": "gated_deltanet", "kda": "kda", "gdn2": "gdn2"}[gate]
+
+  def attention(q, k, v, a, b):
+    # jla takes one head count: grouped value heads get q, k repeated.
+    q, k = (jnp.repeat(x, v.shape[2] // x.shape[2], axis=2) for x in (q, k))
+    gates = dict(b=b[0], w=b[1]) if gate == "gdn2" else dict(beta=b)
+    return ops.linear_attention(kind, q, k, v, g=a,
+                                scale=q.shape[-1] ** -0.5, **gates)[0]
+  return attention
 
 
 def load_fla(gate):

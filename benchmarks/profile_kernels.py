@@ -22,7 +22,8 @@ VARIANTS = {
     "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
               for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
     "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
-                     for bv, w, s in ((64, 4, None), (64, 4, 2), (32, 4, 2),
+                     for bv, w, s in ((64, 4, None), (64, 4, 2), (64, 4, 1),
+                                      (32, 4, 2), (32, 4, None),
                                       (64, 8, None))],
     "output": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                for bv, w, s in ((128, 4, 1), (64, 4, 1), (128, 8, 1),
@@ -30,8 +31,8 @@ VARIANTS = {
     "w_u": [core.Launch(num_warps=w, num_stages=1) for w in (4, 2)],
     "output_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
                         for bv, w, s in ((64, 4, 2), (64, 4, 1), (128, 8, 1))],
-    "backward_scan": [core.Launch(block_v=64, num_warps=w, num_stages=1)
-                      for w in (8, 4)],
+    "backward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=1)
+                      for bv, w in ((64, 8), (64, 4), (32, 8), (32, 4))],
     "ut_backward": [core.Launch(block_v=bv, num_warps=w, num_stages=s,
                                 block_k=bk)
                     for bv, w, s, bk in ((64, 4, 2, 64), (64, 4, 2, 32),
@@ -63,7 +64,8 @@ def stage_inputs(shape, gate="gdn", c=64):
       "forward_scan": fixed(state.forward_scan),
       "output": fixed(output.output, scale=0.1, out_dtype=v.dtype),
       "w_u": fixed(ut.w_u),
-      "output_backward": fixed(output.output_backward, scale=0.1),
+      "output_backward": (fixed(output.delta_backward) if channel else
+                          fixed(output.output_backward, scale=0.1)),
       "backward_scan": fixed(state.backward_scan, scale=0.1),
       "ut_backward": fixed(ut.ut_backward),
   }
@@ -88,10 +90,15 @@ def stage_inputs(shape, gate="gdn", c=64):
   _, delta = run("output", **arrays["output"])  # the backward's copy
   arrays["w_u"] = dict(k=k, v=v, g=g, b=beta, cuts=None, t=t)
   w, u = run("w_u", **arrays["w_u"])
-  arrays["output_backward"] = dict(q=q, k=k, g=g, cuts=None, p=p, d_o=do,
-                                   states=states, delta=delta)
-  dq, dg_out, dd_local, dk_or_dp = run("output_backward",
-                                       **arrays["output_backward"])
+  if channel:
+    arrays["output_backward"] = dict(p=p, d_o=do)
+    dd_local = run("output_backward", **arrays["output_backward"])
+    dg_out = dk_out = None
+  else:
+    arrays["output_backward"] = dict(q=q, k=k, g=g, cuts=None, d_o=do,
+                                     states=states, delta=delta)
+    _, dg_out, dd_local, dk_out = run("output_backward",
+                                      **arrays["output_backward"])
   arrays["backward_scan"] = dict(q=q, k=k, g=g, cuts=None, chunk_seq=None,
                                  d_o=do, d_final=s0, w=w,
                                  d_delta_local=dd_local,
@@ -100,12 +107,12 @@ def stage_inputs(shape, gate="gdn", c=64):
   arrays["ut_backward"] = dict(
       k=k, v=v, g=g, b=beta, cuts=None, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dg_out=dg_out,
-      dk_out=None if channel else dk_or_dp)
+      dk_out=dk_out)
   if channel:
     dk, _, _, dg, dm = run("ut_backward", **arrays["ut_backward"])
     arrays["intra_backward"] = dict(q=q, k=k, g=g, b=beta, cuts=None,
-                                    d_p=dk_or_dp, d_m=dm, dq=dq, dk=dk,
-                                    dg=dg)
+                                    states=states, d_o=do, delta=delta,
+                                    d_m=dm, dk=dk, dg=dg)
   return {name: (calls[name], arrays[name]) for name in calls}
 
 

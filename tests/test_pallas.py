@@ -451,10 +451,11 @@ def test_kernels_lower_for_triton(dtype, features, gate):
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args, *extra)
   text = exported.mlir_module()
-  intra = ("chunk_gates", "intra", "intra_blocks", "intra_backward",
-           "intra_backward_blocks") if gate != "head" else ()
+  per_channel = ("chunk_gates", "intra", "intra_blocks", "delta_backward",
+                 "intra_backward", "intra_backward_blocks")
   for name in ("ut_inverse", "state_forward", "output", "ut_w_u",
-               "output_backward", "state_backward", "ut_backward", *intra):
+               "state_backward", "ut_backward",
+               *(per_channel if gate != "head" else ("output_backward",))):
     assert f'name = "deltajax_{name}"' in text, name
 
 

@@ -101,6 +101,13 @@ def gpu_capability() -> tuple[int, int] | None:
   return int(major), int(minor)
 
 
+def multiprocessors() -> int | None:
+  """Streaming multiprocessors of the default GPU (None off the GPU)."""
+  if jax.default_backend() != "gpu":
+    return None
+  return getattr(jax.devices()[0], "core_count", None)
+
+
 def interpret_mode() -> bool:
   """Kernels run in interpret mode when there is no GPU; raise on an old GPU."""
   cc = gpu_capability()

@@ -10,11 +10,13 @@ output's causal ``P = scale Gamma * Q K^T``, ``[C, C]`` per chunk, where
 then work on plain matrices, as for a scalar gate.
 
 Backward (:func:`backward`), parallel over (batch, value head, chunk, block
-of key channels): the output and UT kernels leave the cotangents ``dP`` and
-``dM`` (of ``M = diag(b) A``) as matrices; this kernel turns them into the
-scores' shares of dq, dk, db and of the gate, adds the other kernels'
-shares, and sums the gate's cotangent into ``da`` (reverse cumulative sum
-within the chunk), written in a's layout.
+of key channels): the UT kernel leaves the cotangent ``dM`` (of ``M =
+diag(b) A``) as a matrix, and this kernel forms the output's ``dP = dO
+Delta^T`` and its read of the state's share of dq (the output's last
+cotangent, ``P^T dO``, is :func:`output.delta_backward`'s); it turns them
+into the scores' shares of dq, dk, db and of the gate, adds the other
+kernels' shares, and sums the gate's cotangent into ``da`` (reverse
+cumulative sum within the chunk), written in a's layout.
 
 Every score is a product through a reference gate ``r`` (the seed's
 secondary chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
@@ -307,12 +309,16 @@ def _diagonal_vjp(*, start, g_ref, k_ref, xs, d_tiles, grads):
   return _diagonal_columns(g_ref, k_ref, start, slice(None), step, grads)
 
 
-def _store_dq(refs, rows, dq_p):
-  """Stores ``rows``' dq from P's row side ``dq_p``; returns their gate
-  cotangent so far, dg_in plus P's share ``q dq_P``."""
-  refs["dq"][rows, :] = (refs["dq_in"][rows, :] + dq_p).astype(
-      refs["dq"].dtype)
-  return refs["dg_in"][rows, :] + refs["q"][rows, :].astype(dq_p.dtype) * dq_p
+def _store_dq(refs, rows, dq_p, scale, dot):
+  """Stores ``rows``' dq: P's row side ``dq_p`` plus the state's read,
+  ``scale e^g * (dO S^T)``; returns their gate cotangent so far, dg_in plus
+  ``q dq``."""
+  g = refs["g"][rows, :].astype(dq_p.dtype)
+  cuts = None if refs["cuts"] is None else refs["cuts"][rows]
+  read = dot(refs["do"][rows, :], refs["s"][...], trans_b=True)
+  dq = dq_p + read * core.on_keys(scale * core.from_start(g, cuts))
+  refs["dq"][rows, :] = dq.astype(refs["dq"].dtype)
+  return refs["dg_in"][rows, :] + refs["q"][rows, :].astype(dq.dtype) * dq
 
 
 def _finish(refs, rows, dg, u, dy, later, dot):
@@ -349,11 +355,13 @@ def _row_keys(refs, k, at):
   return k if refs["kr"] is None else refs["kr"][at].astype(k.dtype)
 
 
-def _masked_cotangents(refs, rows, cols, at):
-  """dP and dM at ``at`` (a ref index), masked to their pairs; rows and cols:
-  ``(start, size)`` of the tokens there."""
-  return [jnp.where(_pairs(rows, cols, refs["cuts"], strict=s), refs[x][at],
-                    0) for x, s in (("dp", False), ("dm", True))]
+def _masked_cotangents(refs, rows, cols, at, dot):
+  """dP and dM at ``at`` (a ref index: rows, columns), masked to their
+  pairs; rows and cols: ``(start, size)`` of the tokens there. ``dP = dO
+  Delta^T`` is formed here, from the rows of dO and Delta at ``at``."""
+  d_p = dot(refs["do"][at[0], :], refs["delta"][at[1], :], trans_b=True)
+  return [jnp.where(_pairs(rows, cols, refs["cuts"], strict=s), x, 0)
+          for x, s in ((d_p, False), (refs["dm"][at], True))]
 
 
 def _backward_whole_chunk(refs, *, scale, dot):
@@ -371,8 +379,9 @@ def _backward_whole_chunk(refs, *, scale, dot):
   # In this order, with dq stored first, fewer [C, k] float32 values are
   # live at once (registers): 0.91 -> 0.86 ms on the H200 (RESULTS.md, run I).
   k_down = refs["k"][...].astype(acc) * down
-  d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2)
-  dg = _store_dq(refs, pl.ds(0, c), scale * mm(d_p, k_down) * up)
+  d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2,
+                                dot)
+  dg = _store_dq(refs, pl.ds(0, c), scale * mm(d_p, k_down) * up, scale, dot)
   u = mm(d_m, k_down) * up
   q = refs["q"][...].astype(acc)
   beta = refs["b"][...].astype(acc)[:, None]
@@ -400,9 +409,9 @@ def _backward_by_blocks(refs, *, scale, dot):
     gentle = _is_gentle(g_ref, start)
     at = dict(start=start, gentle=gentle, g_ref=g_ref)
     d_rows = _masked_cotangents(refs, (start, SUB), (0, c),
-                                (rows, slice(None)))
+                                (rows, slice(None)), dot)
     d_cols = _masked_cotangents(refs, (0, c), (start, SUB),
-                                (slice(None), rows))
+                                (slice(None), rows), dot)
     grads = (_row_side(k_ref=k_ref, d_rows=d_rows, mm=mm, **at),
              _column_side(xs=xs, d_cols=d_cols, mm=mm, **at))
     q, k = refs["q"][rows, :].astype(acc), k_ref[rows, :].astype(acc)
@@ -413,11 +422,11 @@ def _backward_by_blocks(refs, *, scale, dot):
         lambda grads: _diagonal_vjp(
             start=start, g_ref=g_ref, k_ref=k_ref, xs=[scale * q, beta_i * kr],
             d_tiles=_masked_cotangents(refs, (start, SUB), (start, SUB),
-                                       (rows, rows)),
+                                       (rows, rows), dot),
             grads=grads),
         grads)
-    return _finish(refs, rows, _store_dq(refs, rows, scale * dq_p), u, dy,
-                   later, dot)
+    return _finish(refs, rows, _store_dq(refs, rows, scale * dq_p, scale, dot),
+                   u, dy, later, dot)
   lax.fori_loop(0, c // SUB, block, jnp.zeros((1, width), acc))
 
 
@@ -426,10 +435,10 @@ def _backward_kernel(*, whole_chunk, scale, dot, **refs):
   refs ``[C, k]``), where the chunk's gate is gentle (``whole_chunk``) or
   where it is not; db's share of these channels.
 
-  ``dq = dq_in + P's row side``, ``dk = dk_in + b u + dy`` (u: A's row side
-  of dM, ``dA = diag(b) dM``; dy: both column sides), ``db = kr . u``
-  (``sum_j dM_ij A_ij``), ``da = reverse cumsum of (dg_in + q dq_P + kr b u
-  - k dy)``; with read keys kr (A's row side, Gated DeltaNet-2), ``b u``
+  ``dq = scale e^g * (dO S^T) + P's row side`` (``dP = dO Delta^T``),
+  ``dk = dk_in + b u + dy`` (u: A's row side of dM, ``dA = diag(b) dM``; dy:
+  both column sides), ``db = kr . u`` (``sum_j dM_ij A_ij``), ``da = reverse
+  cumsum of (dg_in + q dq + kr b u - k dy)``; with read keys kr (A's row side, Gated DeltaNet-2), ``b u``
   goes to ``dkr = dkr_in + b u`` instead of dk. The refs are named without
   ``_ref``; ``*_done`` (the whole-chunk pass's outputs, aliased to this
   pass's) are not read.
@@ -507,16 +516,20 @@ def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
       name="deltajax_intra_blocks", whole_chunk=False)
 
 
-def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
-             launch, interpret, dot, kr=None, dkr=None, a=None):
-  """The scores' VJP, added to the other kernels' shares.
+def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
+             chunk_size, launch, interpret, dot, kr=None, dkr=None, a=None):
+  """The output's VJP (but for ``P^T dO``, :func:`output.delta_backward`)
+  and the scores', added to the other kernels' shares.
 
   Args:
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]``; b: ``[B, HV, T]``; cuts:
-    ``[B, HV, T]`` or None; d_p, d_m: ``[B, HV, T, C]`` float32, the
-    cotangents of P and of ``M = diag(b) A``; dq, dk: ``[B, T, HV, K]``,
-    dg: g's shape: the other shares (in the accumulator dtype: float32,
-    float64 for float64 inputs); launch.block_k: key channels per program;
+    ``[B, HV, T]`` or None; states: ``[B, HV, T / C, K, V]`` each chunk's
+    entry state; d_o, delta: ``[B, T, HV, V]`` the output's cotangent and
+    Delta, in q's dtype (P's cotangent ``dO Delta^T`` is formed from them);
+    d_m: ``[B, HV, T, C]`` float32, the cotangent of ``M = diag(b) A``; dk:
+    ``[B, T, HV, K]``, dg: g's shape: the other kernels' shares (in the
+    accumulator dtype: float32, float64 for float64 inputs);
+    launch.block_k: key channels per program;
     kr, dkr: None, or A's row keys ``[B, T, HV, K]`` (:func:`forward`) and
     the other kernels' share of their cotangent; a: None, or the log gate
     ``[B, T, HV, K]``: da is 0 where it is below the floor (clamped there,
@@ -530,18 +543,22 @@ def backward(*, q, k, g, b, cuts, d_p, d_m, dq, dk, dg, scale, chunk_size,
     cotangent of kr ``[B, T, HV, K]`` (float32) after them.
   """
   bsz, t_len, h, d = q.shape
-  heads = g.shape[1]
+  heads, dv = d_o.shape[2:]
   width = min(d, launch.block_k or d)
   sp = _chunk_rows(chunk_size, heads // h, width)
+  values = _chunk_rows(chunk_size, heads // h, None)["keys"](dv)
+  state = core.block(None, None, None, width, dv)(
+      lambda m, i, j, n: (i, j, n, m, 0))
   square = core.block(None, None, chunk_size, chunk_size)(
       lambda m, i, j, n: (i, j, n, 0))
   acc = core.accumulator(q.dtype)
   per_head = lambda dtype: jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
   inputs = dict(q_ref=(q, sp["qk"](d)), k_ref=(k, sp["qk"](d)),
                 g_ref=(g, sp["g"](d)), b_ref=(b, sp["gate"]),
-                cuts_ref=(cuts, sp["gate"]), dp_ref=(d_p, square),
-                dm_ref=(d_m, square), dq_in_ref=(dq, sp["keys"](d)),
-                dk_in_ref=(dk, sp["keys"](d)), dg_in_ref=(dg, sp["g"](d)),
+                cuts_ref=(cuts, sp["gate"]), s_ref=(states, state),
+                do_ref=(d_o, values), delta_ref=(delta, values),
+                dm_ref=(d_m, square), dk_in_ref=(dk, sp["keys"](d)),
+                dg_in_ref=(dg, sp["g"](d)),
                 kr_ref=(kr, sp["keys"](d)), dkr_in_ref=(dkr, sp["keys"](d)),
                 a_ref=(a, sp["keys"](d)))
   outputs = dict(

@@ -4,12 +4,13 @@ Forward: (for a per-channel gate, :func:`intra.forward`: the intra-chunk
 scores, parallel over chunks) -> :func:`ut.inverse` (parallel) ->
 :func:`state.forward_scan` (sequential over chunks; applies T, so W and U are
 never formed) -> :func:`output.output` (parallel). Backward:
-:func:`ut.w_u` and :func:`output.output_backward` (parallel) ->
+:func:`ut.w_u` and :func:`output.output_backward` (per channel
+:func:`output.delta_backward`: ``P^T dO`` alone) (parallel) ->
 :func:`state.backward_scan` (sequential, reverse) -> :func:`ut.ut_backward`
-(parallel) (-> :func:`intra.backward` per channel). The backward keeps the
-forward's ``T``, ``Delta``, chunk-entry
-states (and ``P``) and recomputes ``W``, ``U``: memory
-``O(T (K + V) + (T / C) K V)`` per value head.
+(parallel) (-> :func:`intra.backward` per channel: the output's other
+cotangents and the scores'). The backward keeps the forward's ``T``,
+``Delta``, chunk-entry states (and ``P``) and recomputes ``W``, ``U``:
+memory ``O(T (K + V) + (T / C) K V)`` per value head.
 
 The gate's width W (1: Gated DeltaNet's scalar gate, K: KDA's per-channel
 gate) is static: the cumulative gate is ``[B, HV, T]`` or ``[B, HV, T, K]``,
@@ -235,25 +236,28 @@ def backward(scale, chunk_size, config, residuals, cotangents):
   d_final_p = pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
   w, u = ut.w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
                 t=t, launch=launch("w_u"), **shared)
-  # The output's last cotangent is dk's share, or P's for a per-channel gate.
-  dq, dg_out, d_delta, dk_or_dp = output.output_backward(
-      q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, p=p, d_o=d_o,
-      scale=scale, launch=launch("output_backward"), **shared)
+  if p is None:
+    dq, dg_out, d_delta, dk_out = output.output_backward(
+        q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
+        scale=scale, launch=launch("output_backward"), **shared)
+  else:  # per channel, the output's dq, dg and dP are intra.backward's
+    dq = dg_out = dk_out = None
+    d_delta = output.delta_backward(p=p, d_o=d_o,
+                                    launch=launch("output_backward"), **shared)
   d_delta, d_next, d_initial = state.backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)
   dk, dv, db, da, *per_channel = ut.ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
-      d_next=d_next, delta=delta, d_delta=d_delta,
-      dk_out=dk_or_dp if p is None else None,
+      d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)
   dkr = None
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
     dq, dk, da, db_scores, *dkr = intra.backward(
-        q=qp, k=kp, g=g, b=beta, cuts=cuts, d_p=dk_or_dp, d_m=d_m, dq=dq,
-        dk=dk, dg=da, kr=krp, dkr=dkr[0] if dkr else None,
+        q=qp, k=kp, g=g, b=beta, cuts=cuts, states=states, d_o=d_o,
+        delta=delta, d_m=d_m, dk=dk, dg=da, kr=krp, dkr=dkr[0] if dkr else None,
         a=common.pad_axis(a, 3, kp.shape[-1]), scale=scale,
         launch=launch("intra_backward"), **shared)
     db += db_scores

@@ -218,8 +218,15 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
   num_stages = launch.num_stages
   if num_stages is None:  # T, V and key tiles of one chunk
     key_tiles = 1 if decayed is None else 2
-    num_stages = _pipeline_stages(c * (c + key_tiles * dk + bv)
-                                  * k.dtype.itemsize)
+    # With more programs than multiprocessors, two stages let two programs
+    # share one (at 1, 8192, 96, 128 on the H200: 0.74 -> 0.58 ms per
+    # channel, 0.56 -> 0.53 per head; three stages are faster with one
+    # program per multiprocessor, benchmarks/RESULTS.md, run J).
+    sms = core.multiprocessors()
+    crowded = sms is not None and bsz * heads * (dv // bv) > sms
+    num_stages = _pipeline_stages(
+        c * (c + key_tiles * dk + bv) * k.dtype.itemsize,
+        most=2 if crowded else 3)
   launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
   sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
                    None if chunk_seq is None else initial_state.shape[0], g)
@@ -294,5 +301,7 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
                       sp["states"]),
           d_initial_ref=(jax.ShapeDtypeStruct(d_final.shape, acc),
                          sp["state"])),
+      # Chunk n's dDelta_local is read before chunk n's dDelta is written.
+      aliases=dict(dd_ref="d_delta_ref"),
       launch=launch, interpret=interpret, name="deltajax_state_backward",
       chunk_size=chunk_size, scale=scale, dot=dot)

@@ -211,8 +211,9 @@ def _ut_backward_kernel(*, k_ref, kr_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref,
                         dkr_ref=None):
   """One chunk of the backward through ``Delta = U - W S``, the chunk-end
   decays and the UT transform (the steps of ``chunked._bwd`` after the scan),
-  adding the output's shares ``dk_out``, ``dg_out``. The gate cotangent is
-  per token (``[C]``) or per channel (``[C, K]``), as the gate.
+  adding a scalar gate's output's shares ``dk_out``, ``dg_out``. The gate
+  cotangent is per token (``[C]``) or per channel (``[C, K]``), as the
+  gate.
 
   Everything but ``dM`` (a sum over the keys) is per key channel: the work
   goes by blocks of ``block_k`` channels, so that few ``[C, K]`` float32
@@ -271,9 +272,8 @@ def _ut_backward_kernel(*, k_ref, kr_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref,
       dk += core.on_keys(eg, beta) * d_xk
     else:
       dkr_ref[:, ks] = core.on_keys(eg, beta) * d_xk
-    if channel:  # the scores' shares are intra.backward's
-      da_ref[:, ks] = (dg_out_ref[:, ks] + dg_k
-                       + jnp.where(last_row, d_g_end[None, :], 0))
+    if channel:  # the scores' and the output's shares are intra.backward's
+      da_ref[:, ks] = dg_k + jnp.where(last_row, d_g_end[None, :], 0)
       dk_ref[:, ks] = dk.astype(dk_ref.dtype)
     else:
       dg += dg_k + jnp.where(last_row[:, 0], d_g_end, 0)
@@ -304,8 +304,8 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
     ``[B, T, HV, V]``; g: ``[B, HV, T]`` or ``[B, HV, T, K]``; b, cuts:
     ``[B, HV, T]``; t: ``[B, HV, T, C]`` from :func:`inverse`; states,
     d_next: ``[B, HV, N, K, V]``; d_delta: ``[B, T, HV, V]``; dk_out
-    ``[B, T, HV, K]`` (None for a per-channel gate) and dg_out (g's shape):
-    the output's shares of dk and dg.
+    ``[B, T, HV, K]`` and dg_out ``[B, HV, T]``: a scalar gate's output's
+    shares of dk and dg (None for a per-channel gate).
 
   Returns:
     ``(dk, dv, db, da)``: ``[B, T, HV, K]`` per value head (in k's dtype
@@ -313,7 +313,8 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
     ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` and g's shape, float32
     (da of the cumulative gate's increments; 0 is not forced at cuts). For
     a per-channel gate, ``(dk, dv, db, dg, dm)``: dk, db and the cumulative
-    gate's dg (float32) without the scores' shares, and ``dm [B, HV, T, C]``,
+    gate's dg (float32) without the scores' and the output's shares, and
+    ``dm [B, HV, T, C]``,
     the cotangent of ``diag(b) Gamma * K K^T``, for :func:`intra.backward`;
     with read keys kr ``[B, T, HV, K]`` (W's keys, per channel), their share
     of kr's cotangent (float32) after them.
@@ -346,5 +347,7 @@ def ut_backward(*, k, v, g, b, cuts, t, w, u, states, d_next, delta, d_delta,
           dv_ref=(jax.ShapeDtypeStruct(v.shape, v.dtype), vals),
           db_ref=(jax.ShapeDtypeStruct(b.shape, acc), gate),
           da_ref=(jax.ShapeDtypeStruct(g.shape, acc), gates), **channel),
+      # dg_out (a scalar gate's) is read before da is written, chunk by chunk.
+      aliases=None if dg_out is None else dict(dg_out_ref="da_ref"),
       launch=launch, interpret=interpret, name="deltajax_ut_backward",
       block_v=launch.block_v, block_k=launch.block_k or dk, dot=dot)
