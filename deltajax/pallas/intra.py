@@ -438,10 +438,10 @@ def _backward_kernel(*, whole_chunk, scale, dot, **refs):
   ``dq = scale e^g * (dO S^T) + P's row side`` (``dP = dO Delta^T``),
   ``dk = dk_in + b u + dy`` (u: A's row side of dM, ``dA = diag(b) dM``; dy:
   both column sides), ``db = kr . u`` (``sum_j dM_ij A_ij``), ``da = reverse
-  cumsum of (dg_in + q dq + kr b u - k dy)``; with read keys kr (A's row side, Gated DeltaNet-2), ``b u``
-  goes to ``dkr = dkr_in + b u`` instead of dk. The refs are named without
-  ``_ref``; ``*_done`` (the whole-chunk pass's outputs, aliased to this
-  pass's) are not read.
+  cumsum of (dg_in + q dq + kr b u - k dy)``; with read keys kr (A's row
+  side, Gated DeltaNet-2), ``b u`` goes to ``dkr = dkr_in + b u`` instead of
+  dk. The refs are named without ``_ref``; ``*_done`` (the whole-chunk
+  pass's outputs, aliased to this pass's) are not read.
   """
   refs = {name[:-len("_ref")]: ref for name, ref in refs.items()}
   gentle = _is_gentle_chunk(refs["g"])
