@@ -161,6 +161,8 @@ def time_fla(fla, inputs, reps):
   q, k, v, a, do, *gates = (torch.tensor(x, device="cuda")
                             for x in (q, k, v, a, do, *gates))
   q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+  if len(gates) == 2:  # chunk_gdn2's backward dots v with w: one dtype
+    gates = [x.to(torch.bfloat16) for x in gates]
   q, k, v, a, *gates = (x.requires_grad_() for x in (q, k, v, a, *gates))
 
   def fwd():

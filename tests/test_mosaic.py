@@ -45,8 +45,8 @@ def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES):
   cts = utils.random_cotangents(1, x)
   args = (tuple(jnp.asarray(t, dtype) for t in x[:3])
           + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  got = _value_and_grads("mosaic", args, cts)
-  with jax.enable_x64(True):
+  with jax.enable_x64(True):  # the kernels' int32 indexing holds under x64
+    got = _value_and_grads("mosaic", args, cts)
     low = tuple(jnp.asarray(t, jnp.bfloat16) for t in args[:3]) + args[3:]
     ref = _value_and_grads(
         "chunked", tuple(jnp.asarray(t, jnp.float64) for t in low), cts)

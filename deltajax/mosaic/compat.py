@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -70,11 +71,19 @@ class Mosaic:
   interpret: bool
 
   def kernel(self, body, **kwargs):
-    """``plgpu.kernel`` (interpreted, or compiled with fast math)."""
+    """``plgpu.kernel`` (interpreted, or compiled with fast math), traced
+    with 32-bit defaults: the kernels index with int32 (block ids, loop
+    counters), which ``jax_enable_x64`` would mix with int64."""
     if self.interpret:
-      return plgpu.kernel(body, interpret=interpret_params(), **kwargs)
-    return plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
-        approx_math=True), **kwargs)
+      call = plgpu.kernel(body, interpret=interpret_params(), **kwargs)
+    else:
+      call = plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
+          approx_math=True), **kwargs)
+
+    def in_32_bits(*args):
+      with jax.enable_x64(False):
+        return call(*args)
+    return in_32_bits
 
   def set_max_registers(self, n, *, action):
     """A warpgroup's register budget (nothing to set when interpreting)."""
