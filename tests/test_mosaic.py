@@ -16,6 +16,7 @@ import deltajax
 from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import compat
+from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
 import utils
@@ -57,11 +58,13 @@ def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES):
 
 
 # (B, T, H, HV, K, V): T not a multiple of the chunk with head dims padded
-# (48 -> 64); two chunks with V = 128 (two V blocks of the scan); grouped
-# value heads (K = 100 -> 128).
+# (48 -> 64); two chunks with V = 128 (two V blocks of the scans); grouped
+# value heads (K = 100 -> 128); K = V = 32, where the backward's reverse
+# pass is the Pallas one (its padded head dims are 32).
 @pytest.mark.parametrize("shape", [(1, 100, 2, 2, 48, 48),
                                    (1, 128, 1, 1, 64, 128),
-                                   (1, 40, 1, 2, 100, 64)])
+                                   (1, 40, 1, 2, 100, 64),
+                                   (1, 70, 1, 1, 32, 32)])
 def test_mosaic_matches_float64(shape):
   bsz, t, h, hv, dk, dv = shape
   _check(utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
@@ -147,10 +150,10 @@ def test_mosaic_refuses_what_it_lacks(option, message):
 
 @pytest.mark.parametrize("specialized", [False, True])
 def test_kernels_lower_for_the_gpu(specialized):
-  """Both kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
+  """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states."""
+  states, the reverse pass."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -159,5 +162,9 @@ def test_kernels_lower_for_the_gpu(specialized):
   for fn, args in [
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
-                 vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32)))]:
+                 vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
+      (lambda *x: reverse.backward(mg, *x, scale=0.1),
+       (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
+        shape(1, 128, 2, 128, dtype=jnp.float32),
+        shape(1, 2, 128, 128, dtype=jnp.float32)))]:
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -7,11 +7,12 @@ products run on the tensor cores with 16-bit operands, so q, k and v must be
 16-bit (the registry refuses float32 and float64 ones: ``wide=False``);
 gates, beta, the state and every accumulation are float32.
 
-Backward: the Pallas (Triton) backward of :mod:`deltajax.pallas.ops`,
-unchanged. The forward under differentiation also writes what that backward
-keeps from its own forward (``T``, the chunk-entry states, Delta, at the
-Pallas kernels' padded head dims), so the backward is exactly the Pallas
-one on the same 16-bit inputs, and nothing is recomputed.
+Backward: the Pallas (Triton) backward of :mod:`deltajax.pallas.ops`, with
+its reverse state pass in Mosaic GPU (:func:`reverse.backward`) where the
+Pallas kernels' padded head dims are 64 or 128. The forward under
+differentiation also writes what that backward keeps from its own forward
+(``T``, the chunk-entry states, Delta, at those padded head dims), so nothing
+is recomputed.
 
 Supported: the per-head gate, ``chunk_size = 64``, head dims up to 128
 (zero-padded to 64 or 128), grouped value heads (the kernels read q/k head
@@ -27,10 +28,12 @@ import jax.numpy as jnp
 
 from deltajax import common
 from deltajax.mosaic import compat
+from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
 from deltajax.pallas import ops as pallas_ops
+from deltajax.pallas import state as pallas_state
 
 MIN_CAPABILITY = (9, 0)
 CHUNK = ut.C
@@ -119,10 +122,26 @@ def _fwd(scale, specialized, q, k, v, a, b, initial_state):
   return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
 
 
+def _backward_scan(*, q, k, w, g, d_o, d_delta_local, d_final, scale,
+                   **pallas_only):
+  """:func:`reverse.backward` under :func:`pallas_state.backward_scan`'s
+  signature (``pallas_only``: its launch and the inputs this implementation
+  does not take), or that function where a padded head dim is not 64 or
+  128."""
+  if q.shape[-1] not in (64, 128) or d_o.shape[-1] not in (64, 128):
+    return pallas_state.backward_scan(
+        q=q, k=k, w=w, g=g, d_o=d_o, d_delta_local=d_delta_local,
+        d_final=d_final, scale=scale, **pallas_only)
+  mg = compat.Mosaic(interpret=jax.default_backend() != "gpu")
+  return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
+                          scale=scale)
+
+
 def _bwd(scale, specialized, residuals, cotangents):
-  del specialized  # the backward is the Pallas one
+  del specialized  # a forward schedule only
   config = pallas_core.KernelConfig().resolve()
-  grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents)
+  grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
+                              backward_scan=_backward_scan)
   return grads[:6]  # those of q, k, v, a, b and initial_state
 
 

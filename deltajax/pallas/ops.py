@@ -216,9 +216,11 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   return outputs, (q, k, v, a, b, initial_state, cut, chunk_seq, kr, saved)
 
 
-def backward(scale, chunk_size, config, residuals, cotangents):
+def backward(scale, chunk_size, config, residuals, cotangents,
+             backward_scan=state.backward_scan):
   """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
-  backward, on the residuals its forward saves in this layout)."""
+  backward, on the residuals its forward saves in this layout, with its own
+  ``backward_scan`` of :func:`state.backward_scan`'s signature)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -244,7 +246,7 @@ def backward(scale, chunk_size, config, residuals, cotangents):
     dq = dg_out = dk_out = None
     d_delta = output.delta_backward(p=p, d_o=d_o,
                                     launch=launch("output_backward"), **shared)
-  d_delta, d_next, d_initial = state.backward_scan(
+  d_delta, d_next, d_initial = backward_scan(
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)

@@ -1,0 +1,154 @@
+"""The reverse state pass in Mosaic GPU: the state's cotangent, by chunks.
+
+The transpose of :mod:`scan`'s state update, and the contract of
+:func:`deltajax.pallas.state.backward_scan` for the per-head gate. One CTA
+(one warpgroup) per (batch, value head, block of BV = 64 value columns) walks
+the chunks from the last, with the cotangent ``dS [K, BV]`` of the chunk's
+exit state in float32 registers (a wgmma accumulator). Per chunk (GDN seed,
+section 3.3; ``g`` the chunk-local cumulative gate)::
+
+  dDelta = dDelta_local + e^{g_C - g} * (K dS)
+  dS    <- e^{g_C} dS + Q^T (scale e^g * dO) - W^T dDelta
+
+as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
+staged in shared memory) and float32 accumulation. Every exponent is ``<=
+0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local into the
+other of two shared-memory slots meanwhile, and takes each chunk's ``dS``
+(16-bit, for :func:`deltajax.pallas.ut.ut_backward`) and dDelta (float32,
+staged over dDelta_local's tile) out.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.mosaic import compat
+from deltajax.mosaic.compat import ROWS, WGMMA
+from deltajax.mosaic.scan import BV, C
+
+SLOTS = 2  # chunks of input tiles in flight
+_INPUTS = 6  # TMA copies per chunk: q, k, W, the gate, dO, dDelta_local
+
+
+class _Shared(NamedTuple):
+  """Shared memory: per-slot input tiles, then the per-chunk tiles."""
+  q: object       # [SLOTS, C, K]
+  k: object       # [SLOTS, C, K]
+  w: object       # [SLOTS, C, K]
+  g: object       # [SLOTS, C] float32
+  d_o: object     # [SLOTS, C, BV]
+  dd: object      # [SLOTS, C, BV] float32 dDelta_local, then dDelta
+  ds: object      # [K, BV] dS's 16-bit copy
+  read: object    # [C, BV] scale e^g * dO
+  neg: object     # [C, BV] -dDelta
+  f: object       # [K, BV] float32: dS of the final, then the initial state
+  loaded: object  # SLOTS barriers: a slot's tiles arrived
+  final: object   # barrier: dS of the final state arrived
+
+
+def _rows(x, shape):
+  """A per-row ``[C]`` value broadcast over ``shape``'s columns."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
+          d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale):
+  sh = _Shared(*scratch)
+  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
+  n_chunks = q_ref.shape[1] // C
+  tile = (C, BV)
+
+  def issue(n, slot):
+    tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
+    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
+                     (k_ref.at[bi, tokens, hk], sh.k),
+                     (w_ref.at[bi, tokens, h], sh.w),
+                     (g_ref.at[bi, h, tokens], sh.g),
+                     (do_ref.at[bi, tokens, h, cols], sh.d_o),
+                     (dd_ref.at[bi, tokens, h, cols], sh.dd)):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
+
+  def step(i, ds):
+    n, slot = n_chunks - 1 - i, lax.rem(i, SLOTS)
+    tokens = pl.ds(n * C, C)
+    plgpu.barrier_wait(sh.loaded.at[slot])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
+
+    @pl.when(n > 0)
+    def _prefetch():  # chunk n + 1's tiles are read, its dDelta gone
+      issue(n - 1, 1 - slot)
+
+    g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
+    d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
+    sh.ds[...] = ds.astype(sh.ds.dtype)
+    sh.read[...] = (_rows(scale * jnp.exp(g), tile) * d_o).astype(
+        sh.read.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
+    kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
+    d_delta = (mg.load(sh.dd.at[slot], WGMMA)
+               + _rows(jnp.exp(g_end - g), tile) * kds)
+    sh.dd.at[slot][...] = d_delta  # over dDelta_local, read above
+    sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.dd.at[slot], d_delta_ref.at[bi, tokens, h, cols])
+    return mg.mm([(compat.T(sh.q.at[slot]), sh.read),
+                  (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
+                 jnp.exp(g_end) * ds)
+
+  plgpu.copy_gmem_to_smem(dfinal_ref.at[bi, h, :, cols], sh.f, sh.final)
+  issue(n_chunks - 1, 0)
+  plgpu.barrier_wait(sh.final)
+  ds = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  sh.f[...] = ds
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[bi, h, :, cols])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
+  """The state's cotangent at every chunk, and dDelta.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]``, w: ``[B, T, HV, K]``, d_o: ``[B, T, HV, V]``,
+      one 16-bit dtype; K in {64, 128}, V a multiple of 64, T a multiple of
+      64.
+    g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
+    d_delta_local: ``[B, T, HV, V]`` float32, the output's share of dDelta.
+    d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
+    scale: Python float multiplying q.
+
+  Returns:
+    ``(d_delta [B, T, HV, V] float32, d_next [B, HV, T / C, K, V] in k's
+    dtype (the cotangent of each chunk's exit state), d_initial [B, HV, K,
+    V] float32)``.
+  """
+  bsz, t_len, h, dk = k.shape
+  heads, dv = d_o.shape[2:]
+  dtype = k.dtype
+  out_type = [jax.ShapeDtypeStruct(d_o.shape, jnp.float32),
+              jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
+              jax.ShapeDtypeStruct(d_final.shape, jnp.float32)]
+  keys = compat.smem((SLOTS, C, dk), dtype)
+  tile = compat.smem((C, BV), dtype)
+  scratch = [keys, keys, keys, plgpu.SMEM((SLOTS, C), jnp.float32),
+             compat.smem((SLOTS, C, BV), dtype),
+             compat.smem((SLOTS, C, BV), jnp.float32),
+             compat.smem((dk, BV), dtype), tile, tile,
+             compat.smem((dk, BV), jnp.float32),
+             plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
+             plgpu.Barrier(num_arrivals=1)]
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
+  return mg.kernel(body, out_type=out_type, scratch_types=scratch,
+                   grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+                   kernel_name="deltajax_mosaic_reverse",
+                   )(q, k, w, g, d_o, d_delta_local, d_final)
