@@ -5,7 +5,8 @@
     python3 ../shared/tools/ncu_kernels.py step.csv
 
 Runs the jitted step twice (compilation and autotuning in the first), on
-benchmark.py's inputs; the last launches in the log are one step.
+benchmark.py's inputs; the last launches in the log are one step. ``--impl
+jla`` profiles jla's kernels on the same inputs (its wheel importable).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-import deltajax
+from benchmarks.benchmark import deltajax_attention
+from benchmarks.benchmark import load_jla
 from benchmarks.benchmark import make_inputs
 
 
@@ -23,7 +25,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="4,4096,16,128")
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
-  parser.add_argument("--impl", default="pallas")
+  parser.add_argument("--impl", default="pallas",
+                      help='a deltajax implementation, or "jla"')
   parser.add_argument("--forward", action="store_true",
                       help="the forward alone (no gradients)")
   args = parser.parse_args()
@@ -32,8 +35,13 @@ def main():
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a, b = jnp.asarray(a), jnp.asarray(b)
 
+  attention = (load_jla(args.gate) if args.impl == "jla"
+               else deltajax_attention(args.impl, args.gate))
+  if attention is None:
+    parser.error("jla is not importable")
+
   def loss(q, k, v, a, b):
-    o = deltajax.gated_delta(q, k, v, a, b, impl=args.impl)
+    o = attention(q, k, v, a, b)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
   step = jax.jit(loss if args.forward
