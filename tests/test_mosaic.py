@@ -16,6 +16,7 @@ import deltajax
 from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import compat
+from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
@@ -111,6 +112,35 @@ def test_specialized_schedule_gives_the_same_results():
                                atol=1e-6 * float(np.max(np.abs(want))))
 
 
+def test_backward_kernels_agree_with_the_pallas_ones():
+  """Each backward kernel in Mosaic GPU alone, and both, against the Pallas
+  backward on the same saved values (``backward=()``): the gradients agree
+  to their 16-bit roundings; unknown kernel names are refused."""
+  x = utils.random_inputs(4, batch=1, length=128, heads=1, value_heads=2,
+                          key_dim=64, value_dim=128, gate_scale=0.25,
+                          state_scale=0.1)
+  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
+  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
+  cts = tuple(jnp.asarray(c, jnp.float32)
+              for c in utils.random_cotangents(5, x))
+
+  def grads(backward):
+    f = lambda *args: mosaic.gated_delta_mosaic(
+        *args, None, None, scale=0.125, chunk_size=64, backward=backward)
+    _, vjp = jax.vjp(f, q, k, v, a[..., None], b, s0)
+    return vjp((cts[0].astype(jnp.bfloat16), cts[1]))
+
+  want = grads(())
+  for backward in [("output",), ("reverse",), mosaic.BACKWARD]:
+    for name, got, ref in zip(("dq", "dk", "dv", "da", "db", "dh0"),
+                              grads(backward), want):
+      err = utils.relative_rms_error(np.asarray(got, np.float64),
+                                     np.asarray(ref, np.float64))
+      assert err < 1e-2, (backward, name, err)
+  with pytest.raises(ValueError, match="unknown kernels"):
+    grads(("scan",))
+
+
 @pytest.mark.parametrize("beta", [1.0, 1.99])
 def test_inverse_is_stable_for_aligned_keys(beta):
   """Identical keys, no decay: substitution keeps T exact to its bf16
@@ -153,7 +183,7 @@ def test_kernels_lower_for_the_gpu(specialized):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the reverse pass."""
+  states, the backward's kernels."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -163,6 +193,9 @@ def test_kernels_lower_for_the_gpu(specialized):
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
                  vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
+      (lambda *x: output.output_backward(mg, *x, scale=0.1),
+       (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
+        shape(1, 128, 2, 128))),
       (lambda *x: reverse.backward(mg, *x, scale=0.1),
        (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
         shape(1, 128, 2, 128, dtype=jnp.float32),

@@ -1,6 +1,7 @@
 """Pallas Mosaic GPU kernels (Hopper) for the gated delta rule."""
 
+from deltajax.mosaic.ops import BACKWARD
 from deltajax.mosaic.ops import gated_delta_mosaic
 from deltajax.mosaic.ops import MIN_CAPABILITY
 
-__all__ = ["gated_delta_mosaic", "MIN_CAPABILITY"]
+__all__ = ["gated_delta_mosaic", "BACKWARD", "MIN_CAPABILITY"]

@@ -8,11 +8,11 @@ products run on the tensor cores with 16-bit operands, so q, k and v must be
 gates, beta, the state and every accumulation are float32.
 
 Backward: the Pallas (Triton) backward of :mod:`deltajax.pallas.ops`, with
-its reverse state pass in Mosaic GPU (:func:`reverse.backward`) where the
-Pallas kernels' padded head dims are 64 or 128. The forward under
-differentiation also writes what that backward keeps from its own forward
-(``T``, the chunk-entry states, Delta, at those padded head dims), so nothing
-is recomputed.
+the output's backward (:func:`output.output_backward`) and the reverse state
+pass (:func:`reverse.backward`) in Mosaic GPU where the Pallas kernels'
+padded head dims are 64 or 128. The forward under differentiation also
+writes what that backward keeps from its own forward (``T``, the chunk-entry
+states, Delta, at those padded head dims), so nothing is recomputed.
 
 Supported: the per-head gate, ``chunk_size = 64``, head dims up to 128
 (zero-padded to 64 or 128), grouped value heads (the kernels read q/k head
@@ -28,20 +28,34 @@ import jax.numpy as jnp
 
 from deltajax import common
 from deltajax.mosaic import compat
+from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
 from deltajax.pallas import ops as pallas_ops
+from deltajax.pallas import output as pallas_output
 from deltajax.pallas import state as pallas_state
 
 MIN_CAPABILITY = (9, 0)
 CHUNK = ut.C
 MAX_HEAD_DIM = 128
+# The backward's kernels with a Mosaic GPU form: name -> (the keyword of
+# pallas.ops.backward it replaces, the Mosaic kernel, the Pallas one, the
+# arguments the Mosaic one takes).
+_BACKWARD_KERNELS = {
+    "output": ("output_backward", output.output_backward,
+               pallas_output.output_backward,
+               ("q", "k", "g", "states", "delta", "d_o")),
+    "reverse": ("backward_scan", reverse.backward, pallas_state.backward_scan,
+                ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final")),
+}
+BACKWARD = tuple(_BACKWARD_KERNELS)
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
-                       scale, chunk_size, specialized=False):
+                       scale, chunk_size, specialized=False,
+                       backward=BACKWARD):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -56,6 +70,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     specialized: the scan on three warpgroups (state, output, TMA) instead
       of one (:func:`scan.forward`); not the default until timed on the
       H200 (benchmarks/mosaic_check.py).
+    backward: which of the backward's kernels run in Mosaic GPU (a subset
+      of :data:`BACKWARD`: the output's backward, the reverse state pass);
+      the others are the Pallas ones, as is the rest of the backward. Each
+      runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
+      or 128.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -76,7 +95,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
-  o, final = _mosaic(float(scale), specialized,
+  unknown = set(backward) - set(BACKWARD)
+  if unknown:
+    raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
+                     f"choices are {BACKWARD}")
+  o, final = _mosaic(float(scale), specialized, tuple(backward),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -88,8 +111,13 @@ def _width(d):
   return common.round_up(d, 64)
 
 
+def _mosaic_gpu():
+  """Compiled on a GPU, interpreted elsewhere."""
+  return compat.Mosaic(interpret=jax.default_backend() != "gpu")
+
+
 def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
-  mg = compat.Mosaic(interpret=jax.default_backend() != "gpu")
+  mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
   vp = common.pad_axis(v, 3, _width(n_v))
@@ -108,40 +136,43 @@ def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
   return outputs, (t, states[..., :kp, :vp], delta[..., :vp], None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mosaic(scale, specialized, q, k, v, a, b, initial_state):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _mosaic(scale, specialized, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
-  initial state; scale and specialized are static."""
+  initial state; scale, specialized and backward are static."""
+  del backward
   return _forward(scale, specialized, q, k, v, a, b, initial_state,
                   save=False)[0]
 
 
-def _fwd(scale, specialized, q, k, v, a, b, initial_state):
+def _fwd(scale, specialized, backward, q, k, v, a, b, initial_state):
+  del backward
   outputs, saved = _forward(scale, specialized, q, k, v, a, b, initial_state,
                             save=True)
   return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
 
 
-def _backward_scan(*, q, k, w, g, d_o, d_delta_local, d_final, scale,
-                   **pallas_only):
-  """:func:`reverse.backward` under :func:`pallas_state.backward_scan`'s
-  signature (``pallas_only``: its launch and the inputs this implementation
-  does not take), or that function where a padded head dim is not 64 or
-  128."""
-  if q.shape[-1] not in (64, 128) or d_o.shape[-1] not in (64, 128):
-    return pallas_state.backward_scan(
-        q=q, k=k, w=w, g=g, d_o=d_o, d_delta_local=d_delta_local,
-        d_final=d_final, scale=scale, **pallas_only)
-  mg = compat.Mosaic(interpret=jax.default_backend() != "gpu")
-  return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
-                          scale=scale)
+def _in_mosaic(name):
+  """The backward kernel ``name`` of :data:`BACKWARD` under the signature of
+  the Pallas kernel it replaces, which still runs where a padded head dim
+  (of q or dO) is not 64 or 128."""
+  _, kernel, pallas_kernel, names = _BACKWARD_KERNELS[name]
+
+  def call(**kwargs):
+    if {kwargs["q"].shape[-1], kwargs["d_o"].shape[-1]} - {64, 128}:
+      return pallas_kernel(**kwargs)
+    return kernel(_mosaic_gpu(), *(kwargs[n] for n in names),
+                  scale=kwargs["scale"])
+  return call
 
 
-def _bwd(scale, specialized, residuals, cotangents):
+def _bwd(scale, specialized, backward, residuals, cotangents):
   del specialized  # a forward schedule only
   config = pallas_core.KernelConfig().resolve()
+  kernels = {_BACKWARD_KERNELS[name][0]: _in_mosaic(name)
+             for name in backward}
   grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
-                              backward_scan=_backward_scan)
+                              **kernels)
   return grads[:6]  # those of q, k, v, a, b and initial_state
 
 

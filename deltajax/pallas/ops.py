@@ -217,10 +217,12 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def backward(scale, chunk_size, config, residuals, cotangents,
+             output_backward=output.output_backward,
              backward_scan=state.backward_scan):
   """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
   backward, on the residuals its forward saves in this layout, with its own
-  ``backward_scan`` of :func:`state.backward_scan`'s signature)."""
+  kernels in place of :func:`output.output_backward` and
+  :func:`state.backward_scan`, of their signatures)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -239,7 +241,7 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   w, u = ut.w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
                 t=t, launch=launch("w_u"), **shared)
   if p is None:
-    dq, dg_out, d_delta, dk_out = output.output_backward(
+    dq, dg_out, d_delta, dk_out = output_backward(
         q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
         scale=scale, launch=launch("output_backward"), **shared)
   else:  # per channel, the output's dq, dg and dP are intra.backward's
