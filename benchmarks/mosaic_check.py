@@ -10,9 +10,12 @@ heads; then one forward+backward's gradients. Prints max abs and relative
 RMS errors (fla's tolerance: 0.005 for o and the state, 0.008 for dq, dk,
 dv, dh0, 0.02 for da, db). (b) Speed: forward and forward+backward of
 "mosaic" and "pallas" on benchmark.py's inputs (bf16) and timing
-(:func:`benchmark.median_ms`). "mosaic ws" is the same with the scan on
-three warpgroups (``gated_delta_mosaic(..., specialized=True)``, not yet the
-default); its cases run last, so that a hang there (a barrier protocol
+(:func:`benchmark.median_ms`). "mosaic bwd=..." is "mosaic" with the
+backward's Mosaic GPU kernels limited to those named (``gated_delta_mosaic(...,
+backward=...)``; "pallas": none), to time each against its Pallas
+counterpart. "mosaic ws" is the same with the scan on three warpgroups
+(``gated_delta_mosaic(..., specialized=True)``, not yet the default); its
+cases run last, so that a hang there (a barrier protocol
 that the interpreter passed but the GPU does not) leaves every other line
 printed. Every case catches its own exception and prints its first 300
 characters. About a minute on the H200.
@@ -35,6 +38,13 @@ from deltajax import mosaic
 CHECKS = [(2, 256, 2, 2, 64, 64), (2, 1000, 2, 2, 128, 128),
           (1, 100, 2, 4, 100, 60), (2, 4096, 4, 4, 128, 128)]
 TIMED = [(4, 4096, 16, 128), (8, 1024, 8, 64)]
+# Options of gated_delta_mosaic by name (T a multiple of 64, K, V <= 128).
+VARIANTS = {
+    "mosaic bwd=pallas": dict(backward=()),
+    **{f"mosaic bwd={name}": dict(backward=(name,))
+       for name in mosaic.BACKWARD},
+    "mosaic ws": dict(specialized=True),
+}
 
 
 def _errors(got, ref):
@@ -58,12 +68,12 @@ def _inputs(shape, seed, dtype):
 
 
 def _call(impl, q, k, v, a, b, s0):
-  """``(o, final state)`` of ``impl``; "mosaic ws" is the contract function
-  with the three-warpgroup scan (T a multiple of 64, K, V <= 128)."""
-  if impl == "mosaic ws":
+  """``(o, final state)`` of ``impl``, or of the contract function with the
+  options of :data:`VARIANTS`."""
+  if impl in VARIANTS:
     return mosaic.gated_delta_mosaic(
         q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=64, specialized=True)
+        chunk_size=64, **VARIANTS[impl])
   return deltajax.gated_delta(q, k, v, a, b, initial_state=s0, impl=impl,
                               return_final_state=True)
 
@@ -149,6 +159,9 @@ def _checks_and_times(impl, checks, gradient_shape):
 def main():
   print(f"JAX {jax.__version__}, {jax.devices()}")
   _checks_and_times("mosaic", CHECKS, (2, 1000, 2, 2, 128, 128))
+  for impl in VARIANTS:  # the backward's kernels one by one
+    if impl != "mosaic ws":
+      _checks_and_times(impl, [], (2, 1024, 2, 2, 128, 128))
   # The three-warpgroup scan: T a multiple of 64, K, V in {64, 128}.
   _checks_and_times("mosaic ws", [c for c in CHECKS if c[1] % 64 == 0
                                   and c[4] % 64 == 0 and c[5] % 64 == 0],
