@@ -14,8 +14,9 @@ as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
 staged in shared memory) and float32 accumulation. Every exponent is ``<=
 0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local into the
 other of two shared-memory slots meanwhile, and takes each chunk's ``dS``
-(16-bit, for :func:`deltajax.pallas.ut.ut_backward`) and dDelta (float32,
-staged over dDelta_local's tile) out.
+and dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes
+them to its products so (the Pallas pass writes dDelta in float32 over
+dDelta_local, in place; here, without aliasing, the 16-bit copy halves it).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ class _Shared(NamedTuple):
   w: object       # [SLOTS, C, K]
   g: object       # [SLOTS, C] float32
   d_o: object     # [SLOTS, C, BV]
-  dd: object      # [SLOTS, C, BV] float32 dDelta_local, then dDelta
+  dd: object      # [SLOTS, C, BV] float32 dDelta_local
   ds: object      # [K, BV] dS's 16-bit copy
   read: object    # [C, BV] scale e^g * dO
   neg: object     # [C, BV] -dDelta
+  out: object     # [C, BV] dDelta
   f: object       # [K, BV] float32: dS of the final, then the initial state
   loaded: object  # SLOTS barriers: a slot's tiles arrived
   final: object   # barrier: dS of the final state arrived
@@ -79,12 +81,12 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     n, slot = n_chunks - 1 - i, lax.rem(i, SLOTS)
     tokens = pl.ds(n * C, C)
     plgpu.barrier_wait(sh.loaded.at[slot])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
 
     @pl.when(n > 0)
-    def _prefetch():  # chunk n + 1's tiles are read, its dDelta gone
+    def _prefetch():  # the other slot's last reader (chunk n + 1) is done
       issue(n - 1, 1 - slot)
 
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
     g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
     d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
     sh.ds[...] = ds.astype(sh.ds.dtype)
@@ -95,10 +97,10 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
     d_delta = (mg.load(sh.dd.at[slot], WGMMA)
                + _rows(jnp.exp(g_end - g), tile) * kds)
-    sh.dd.at[slot][...] = d_delta  # over dDelta_local, read above
+    sh.out[...] = d_delta.astype(sh.out.dtype)
     sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.dd.at[slot], d_delta_ref.at[bi, tokens, h, cols])
+    plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
     return mg.mm([(compat.T(sh.q.at[slot]), sh.read),
                   (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
                  jnp.exp(g_end) * ds)
@@ -128,14 +130,14 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
     scale: Python float multiplying q.
 
   Returns:
-    ``(d_delta [B, T, HV, V] float32, d_next [B, HV, T / C, K, V] in k's
-    dtype (the cotangent of each chunk's exit state), d_initial [B, HV, K,
-    V] float32)``.
+    ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
+    each chunk's exit state), both in k's dtype, d_initial [B, HV, K, V]
+    float32)``.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
-  out_type = [jax.ShapeDtypeStruct(d_o.shape, jnp.float32),
+  out_type = [jax.ShapeDtypeStruct(d_o.shape, dtype),
               jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
               jax.ShapeDtypeStruct(d_final.shape, jnp.float32)]
   keys = compat.smem((SLOTS, C, dk), dtype)
@@ -143,7 +145,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
   scratch = [keys, keys, keys, plgpu.SMEM((SLOTS, C), jnp.float32),
              compat.smem((SLOTS, C, BV), dtype),
              compat.smem((SLOTS, C, BV), jnp.float32),
-             compat.smem((dk, BV), dtype), tile, tile,
+             compat.smem((dk, BV), dtype), tile, tile, tile,
              compat.smem((dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
