@@ -20,6 +20,7 @@ from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
+from deltajax.mosaic import ut_backward
 import utils
 
 pytestmark = pytest.mark.skipif(
@@ -131,7 +132,7 @@ def test_backward_kernels_agree_with_the_pallas_ones():
     return vjp((cts[0].astype(jnp.bfloat16), cts[1]))
 
   want = grads(())
-  for backward in [("output",), ("reverse",), mosaic.BACKWARD]:
+  for backward in [*((name,) for name in mosaic.BACKWARD), mosaic.BACKWARD]:
     for name, got, ref in zip(("dq", "dk", "dv", "da", "db", "dh0"),
                               grads(backward), want):
       err = utils.relative_rms_error(np.asarray(got, np.float64),
@@ -196,6 +197,12 @@ def test_kernels_lower_for_the_gpu(specialized):
       (lambda *x: output.output_backward(mg, *x, scale=0.1),
        (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
         shape(1, 128, 2, 128))),
+      (lambda *x: ut_backward.ut_backward(mg, *x),
+       (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
+        shape(1, 128, 2, 128), shape(1, 128, 2, 128), shape(1, 2, 2, 128, 128),
+        shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
+        shape(1, 128, 2, 128), shape(1, 128, 2, 128, dtype=jnp.float32),
+        vec)),
       (lambda *x: reverse.backward(mg, *x, scale=0.1),
        (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
         shape(1, 128, 2, 128, dtype=jnp.float32),

@@ -8,8 +8,9 @@ products run on the tensor cores with 16-bit operands, so q, k and v must be
 gates, beta, the state and every accumulation are float32.
 
 Backward: the Pallas (Triton) backward of :mod:`deltajax.pallas.ops`, with
-the output's backward (:func:`output.output_backward`) and the reverse state
-pass (:func:`reverse.backward`) in Mosaic GPU where the Pallas kernels'
+the output's backward (:func:`output.output_backward`), the reverse state
+pass (:func:`reverse.backward`) and the backward through the UT transform
+(:func:`ut_backward.ut_backward`) in Mosaic GPU where the Pallas kernels'
 padded head dims are 64 or 128. The forward under differentiation also
 writes what that backward keeps from its own forward (``T``, the chunk-entry
 states, Delta, at those padded head dims), so nothing is recomputed.
@@ -22,6 +23,7 @@ Supported: the per-head gate, ``chunk_size = 64``, head dims up to 128
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +33,41 @@ from deltajax.mosaic import compat
 from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
+from deltajax.mosaic import ut_backward
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
 from deltajax.pallas import ops as pallas_ops
 from deltajax.pallas import output as pallas_output
 from deltajax.pallas import state as pallas_state
+from deltajax.pallas import ut as pallas_ut
 
 MIN_CAPABILITY = (9, 0)
 CHUNK = ut.C
 MAX_HEAD_DIM = 128
-# The backward's kernels with a Mosaic GPU form: name -> (the keyword of
-# pallas.ops.backward it replaces, the Mosaic kernel, the Pallas one, the
-# arguments the Mosaic one takes).
+
+
+class _BackwardKernel(NamedTuple):
+  """A backward kernel with a Mosaic GPU form."""
+  keyword: str  # of pallas.ops.backward, for the Pallas kernel it replaces
+  mosaic: Callable
+  pallas: Callable
+  args: tuple[str, ...]  # the Pallas kernel's that the Mosaic one takes
+  widths: tuple[str, ...]  # arguments whose last dim must be 64 or 128
+
+
 _BACKWARD_KERNELS = {
-    "output": ("output_backward", output.output_backward,
-               pallas_output.output_backward,
-               ("q", "k", "g", "states", "delta", "d_o")),
-    "reverse": ("backward_scan", reverse.backward, pallas_state.backward_scan,
-                ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final")),
+    "output": _BackwardKernel(
+        "output_backward", output.output_backward,
+        pallas_output.output_backward,
+        ("q", "k", "g", "states", "delta", "d_o", "scale"), ("q", "d_o")),
+    "reverse": _BackwardKernel(
+        "backward_scan", reverse.backward, pallas_state.backward_scan,
+        ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final", "scale"),
+        ("q", "d_o")),
+    "ut": _BackwardKernel(
+        "ut_backward", ut_backward.ut_backward, pallas_ut.ut_backward,
+        ("k", "v", "g", "b", "t", "w", "u", "states", "d_next", "delta",
+         "d_delta", "dk_out", "dg_out"), ("k", "v")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
 
@@ -71,7 +90,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       of one (:func:`scan.forward`); not the default until timed on the
       H200 (benchmarks/mosaic_check.py).
     backward: which of the backward's kernels run in Mosaic GPU (a subset
-      of :data:`BACKWARD`: the output's backward, the reverse state pass);
+      of :data:`BACKWARD`: the output's backward, the reverse state pass,
+      the backward through the UT transform);
       the others are the Pallas ones, as is the rest of the backward. Each
       runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
       or 128.
@@ -155,21 +175,20 @@ def _fwd(scale, specialized, backward, q, k, v, a, b, initial_state):
 def _in_mosaic(name):
   """The backward kernel ``name`` of :data:`BACKWARD` under the signature of
   the Pallas kernel it replaces, which still runs where a padded head dim
-  (of q or dO) is not 64 or 128."""
-  _, kernel, pallas_kernel, names = _BACKWARD_KERNELS[name]
+  is not 64 or 128."""
+  kernel = _BACKWARD_KERNELS[name]
 
   def call(**kwargs):
-    if {kwargs["q"].shape[-1], kwargs["d_o"].shape[-1]} - {64, 128}:
-      return pallas_kernel(**kwargs)
-    return kernel(_mosaic_gpu(), *(kwargs[n] for n in names),
-                  scale=kwargs["scale"])
+    if {kwargs[n].shape[-1] for n in kernel.widths} - {64, 128}:
+      return kernel.pallas(**kwargs)
+    return kernel.mosaic(_mosaic_gpu(), **{n: kwargs[n] for n in kernel.args})
   return call
 
 
 def _bwd(scale, specialized, backward, residuals, cotangents):
   del specialized  # a forward schedule only
   config = pallas_core.KernelConfig().resolve()
-  kernels = {_BACKWARD_KERNELS[name][0]: _in_mosaic(name)
+  kernels = {_BACKWARD_KERNELS[name].keyword: _in_mosaic(name)
              for name in backward}
   grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
                               **kernels)

@@ -218,11 +218,12 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 def backward(scale, chunk_size, config, residuals, cotangents,
              output_backward=output.output_backward,
-             backward_scan=state.backward_scan):
+             backward_scan=state.backward_scan, ut_backward=ut.ut_backward):
   """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
   backward, on the residuals its forward saves in this layout, with its own
-  kernels in place of :func:`output.output_backward` and
-  :func:`state.backward_scan`, of their signatures)."""
+  kernels in place of :func:`output.output_backward`,
+  :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
+  signatures)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -252,7 +253,7 @@ def backward(scale, chunk_size, config, residuals, cotangents,
       q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)
-  dk, dv, db, da, *per_channel = ut.ut_backward(
+  dk, dv, db, da, *per_channel = ut_backward(
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)

@@ -1,0 +1,213 @@
+"""The backward through the UT transform in Mosaic GPU, chunk by chunk.
+
+The contract of :func:`deltajax.pallas.ut.ut_backward` for a scalar gate:
+from dDelta (the reverse pass's), the chunk's entry state ``S`` and the
+cotangent ``dS'`` of its exit state, the cotangents of k, v, beta and the
+gate through (GDN seed, sections 2.3 and 3.3)::
+
+  [W | U] = T diag(b) [K e^g | V],  T = (I + diag(b) A)^-1,
+  A = Gamma * K K^T (j < i),        Delta = U - W S,
+  S' = e^{g_C} S + (K e^{g_C - g})^T Delta,
+
+with the output's shares ``dk_out``, ``dg_out`` added. In order:
+
+* by blocks of BV value columns: ``dX_v = T^T dDelta`` (dv = ``b * dX_v``),
+  ``dK_end = Delta dS'^T``, ``dW = -dDelta S^T``, ``dM = -dX_v U^T``;
+* ``dX_k = T^T dW``, ``dM -= dX_k W^T``, the keys' and beta's shares;
+* ``dA = diag(b) dM`` through ``A``: ``dk += dE K + dE^T K`` with ``dE =
+  dA * Gamma``, and the gate's share ``rowsum(K * dE K) - rowsum(K * dE^T
+  K)`` (as in :mod:`output`: sums over key channels, one register layout);
+* ``da``, the reverse cumulative sum of the gate's cotangent over the chunk,
+  plus the chunk end's share (which every ``da_i`` gets).
+
+Sums that cross rows (the chunk end's totals, the reverse cumulative sum)
+go through shared memory: a per-row vector stored, read back per column and
+broadcast, then summed along rows. One CTA (one warpgroup) per (batch,
+chunk, value head); products with 16-bit operands (dDelta, dW, dX and dE
+rounded to them, as the Pallas kernel does) and float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.mosaic import compat
+from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.scan import BV
+from deltajax.mosaic.ut import C
+
+_CHUNK_INPUTS = 8  # TMA copies: k, W, T, dk_out, the gate twice, b, dg_out
+_BLOCK_INPUTS = 6  # per value block: v, U, dDelta, Delta, S, dS'
+
+
+def _rows(x, shape):
+  """A per-row vector broadcast over ``shape``'s columns."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _column_sums(mg, x, staging, width):
+  """``x`` (a per-row vector of length ``width``) summed, and
+  ``y_i = sum_{j >= i} x_j`` for a length-C ``x`` (``width`` None): per-row
+  vectors of length C, through ``staging [width or C]`` float32."""
+  staging[...] = x
+  plgpu.commit_smem()  # a warpgroup barrier too: every row's value is in
+  square = (C, width or C)
+  cols = lax.broadcast_in_dim(mg.load(staging, COLS), square, [1])
+  if width is None:
+    cols = jnp.where(mg.iota(square, 1) >= mg.iota(square, 0), cols, 0.0)
+  total = jnp.sum(cols, axis=1)
+  plgpu.commit_smem()  # every row has read the staging before its reuse
+  return total
+
+
+def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
+          dnext_ref, delta_ref, dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref,
+          db_ref, da_ref, k_s, w_s, t_s, dkout_s, g_rows, g_cols, b_s,
+          dgout_s, v_s, u_s, dd_s, delta_s, s_s, dn_s, dv_s, dw_s, de_s,
+          dk_s, vec_s, key_vec_s, bar, block_bar, *, groups):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
+  keys, square = (C, k_s.shape[1]), (C, C)
+  for src, dst in ((k_ref.at[bi, tokens, hk], k_s),
+                   (w_ref.at[bi, tokens, h], w_s),
+                   (t_ref.at[bi, h, tokens], t_s),
+                   (dkout_ref.at[bi, tokens, h], dkout_s),
+                   (g_ref.at[bi, h, tokens], g_rows),
+                   (g_ref.at[bi, h, tokens], g_cols),
+                   (b_ref.at[bi, h, tokens], b_s),
+                   (dgout_ref.at[bi, h, tokens], dgout_s)):
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+
+  def load_block(j):
+    cols = pl.ds(j * BV, BV)
+    for src, dst in ((v_ref.at[bi, tokens, h, cols], v_s),
+                     (u_ref.at[bi, tokens, h, cols], u_s),
+                     (dd_ref.at[bi, tokens, h, cols], dd_s),
+                     (delta_ref.at[bi, tokens, h, cols], delta_s),
+                     (s_ref.at[bi, h, n, :, cols], s_s),
+                     (dnext_ref.at[bi, h, n, :, cols], dn_s)):
+      plgpu.copy_gmem_to_smem(src, dst, block_bar)
+
+  load_block(0)
+  plgpu.barrier_wait(bar)
+  beta = mg.load(b_s, ROWS)
+  tile = (C, BV)
+  db = d_k_end = minus_dw = minus_dm = ds_sum = None
+  n_blocks = v_ref.shape[-1] // BV
+  for j in range(n_blocks):
+    plgpu.barrier_wait(block_bar)
+    d_xv, d_k_end, minus_dw = mg.products([
+        ([(compat.T(t_s), dd_s)], tile, None),
+        ([(delta_s, compat.T(dn_s))], keys, d_k_end),
+        ([(dd_s, compat.T(s_s))], keys, minus_dw)])
+    (minus_dm,) = mg.products([([(d_xv.astype(u_s.dtype), compat.T(u_s))],
+                                square, minus_dm)])
+    block_db = jnp.sum(d_xv * mg.load(v_s, WGMMA).astype(jnp.float32),
+                       axis=1)
+    block_ds = jnp.sum(mg.load(dn_s, WGMMA).astype(jnp.float32)
+                       * mg.load(s_s, WGMMA).astype(jnp.float32), axis=1)
+    db = block_db if db is None else db + block_db
+    ds_sum = block_ds if ds_sum is None else ds_sum + block_ds
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
+    dv_s[...] = (_rows(beta, tile) * d_xv).astype(dv_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[bi, tokens, h,
+                                            pl.ds(j * BV, BV)])
+    if j + 1 < n_blocks:  # this block's tiles are read
+      load_block(j + 1)
+
+  # The keys' side: dX_k = T^T dW, and W = T diag(b) K e^g's shares.
+  g, g_end = mg.load(g_rows, ROWS), g_rows[C - 1]
+  to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
+  dw_s[...] = (-minus_dw).astype(dw_s.dtype)
+  plgpu.commit_smem()
+  (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+  (minus_dm,) = mg.products([([(d_xk.astype(w_s.dtype), compat.T(w_s))],
+                              square, minus_dm)])
+  k = mg.load(k_s, WGMMA).astype(jnp.float32)
+  end_share = jnp.sum(k * _rows(to_end, keys) * d_k_end, axis=1)
+  d_xk_kg = jnp.sum(d_xk * k * _rows(from_start, keys), axis=1)
+  db = db + d_xk_kg
+  dg = beta * d_xk_kg - end_share
+  dk = (_rows(to_end, keys) * d_k_end + mg.load(dkout_s, WGMMA)
+        + _rows(from_start * beta, keys) * d_xk)
+
+  # M = diag(b) A: db's share, then dA = diag(b) dM through A.
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  gamma = jnp.exp(jnp.where(
+      rows > cols, _rows(g, square)
+      - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
+  (kk,) = mg.products([([(k_s, compat.T(k_s))], square, None)])
+  db = db - jnp.sum(minus_dm * gamma * kk, axis=1)
+  de_s[...] = (-_rows(beta, square) * minus_dm * gamma).astype(de_s.dtype)
+  plgpu.commit_smem()
+  dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
+                                  ([(compat.T(de_s), k_s)], keys, None)])
+  dk = dk + dk_rows + dk_cols
+  dg = dg + jnp.sum(k * dk_rows, axis=1) - jnp.sum(k * dk_cols, axis=1)
+
+  dk_s[...] = dk.astype(dk_s.dtype)
+  vec_s[...] = db
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h])
+  plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
+  g_end_share = (_column_sums(mg, end_share, vec_s, C)
+                 + jnp.exp(g_end) * _column_sums(mg, ds_sum, key_vec_s,
+                                                 k_s.shape[1]))
+  da = _column_sums(mg, mg.load(dgout_s, ROWS) + dg, vec_s, None)
+  vec_s[...] = da + g_end_share
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(vec_s, da_ref.at[bi, h, tokens])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
+                dk_out, dg_out):
+  """The cotangents of k, v, beta and the gate's increments.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; v, u, delta, d_delta: ``[B,
+      T, HV, V]``; t: ``[B, HV, T, C]``; states, d_next: ``[B, HV, T / C,
+      K, V]``: one 16-bit dtype (d_delta may be float32: it is rounded to
+      it); K and V in {64, 128}, T a multiple of 64.
+    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    dk_out: ``[B, T, HV, K]``, dg_out: ``[B, HV, T]``, float32: the output's
+      shares.
+
+  Returns:
+    ``(dk, dv, db, da)`` as :func:`deltajax.pallas.ut.ut_backward`'s: ``[B,
+    T, HV, K]`` (in k's dtype without grouped value heads, else float32),
+    ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32.
+  """
+  bsz, t_len, h, dk = k.shape
+  heads, dv = v.shape[2:]
+  dtype, f32 = k.dtype, jnp.float32
+  d_delta = d_delta.astype(dtype)  # float32 from the Pallas reverse pass
+  dk_dtype = dtype if heads == h else f32
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dk_dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype),
+              jax.ShapeDtypeStruct(b.shape, f32),
+              jax.ShapeDtypeStruct(g.shape, f32)]
+  vec = plgpu.SMEM((C,), f32)
+  keys, block = compat.smem((C, dk), dtype), compat.smem((C, BV), dtype)
+  square = compat.smem((C, C), dtype)
+  state_block = compat.smem((dk, BV), dtype)
+  scratch = [keys, keys, square, compat.smem((C, dk), f32), vec, vec, vec,
+             vec, block, block, block, block, state_block, state_block,
+             block, keys, square, compat.smem((C, dk), dk_dtype), vec,
+             plgpu.SMEM((dk,), f32),
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
+             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS)]
+  return mg.kernel(
+      lambda *refs: _body(mg, *refs, groups=heads // h),
+      out_type=out_type, scratch_types=scratch,
+      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
+      kernel_name="deltajax_mosaic_ut_backward",
+      )(k, v, g, b, t, w, u, states, d_next, delta, d_delta, dk_out, dg_out)
