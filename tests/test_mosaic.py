@@ -197,6 +197,8 @@ def test_kernels_lower_for_the_gpu(specialized):
       (lambda *x: output.output_backward(mg, *x, scale=0.1),
        (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
         shape(1, 128, 2, 128))),
+      (lambda *x: ut.w_u(mg, *x), (keys, shape(1, 128, 2, 128), vec, vec,
+                                   shape(1, 2, 128, 64))),
       (lambda *x: ut_backward.ut_backward(mg, *x),
        (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
         shape(1, 128, 2, 128), shape(1, 128, 2, 128), shape(1, 2, 2, 128, 128),

@@ -7,11 +7,12 @@ products run on the tensor cores with 16-bit operands, so q, k and v must be
 16-bit (the registry refuses float32 and float64 ones: ``wide=False``);
 gates, beta, the state and every accumulation are float32.
 
-Backward: the Pallas (Triton) backward of :mod:`deltajax.pallas.ops`, with
-the output's backward (:func:`output.output_backward`), the reverse state
-pass (:func:`reverse.backward`) and the backward through the UT transform
-(:func:`ut_backward.ut_backward`) in Mosaic GPU where the Pallas kernels'
-padded head dims are 64 or 128. The forward under differentiation also
+Backward: the steps of :func:`deltajax.pallas.ops.backward`, each kernel in
+Mosaic GPU where the Pallas kernels' padded head dims are 64 or 128 (else
+the Pallas one): ``W``, ``U`` (:func:`ut.w_u`), the output's backward
+(:func:`output.output_backward`), the reverse state pass
+(:func:`reverse.backward`), the backward through the UT transform
+(:func:`ut_backward.ut_backward`). The forward under differentiation also
 writes what that backward keeps from its own forward (``T``, the chunk-entry
 states, Delta, at those padded head dims), so nothing is recomputed.
 
@@ -56,6 +57,8 @@ class _BackwardKernel(NamedTuple):
 
 
 _BACKWARD_KERNELS = {
+    "w_u": _BackwardKernel(
+        "w_u", ut.w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
     "output": _BackwardKernel(
         "output_backward", output.output_backward,
         pallas_output.output_backward,
@@ -90,8 +93,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       of one (:func:`scan.forward`); not the default until timed on the
       H200 (benchmarks/mosaic_check.py).
     backward: which of the backward's kernels run in Mosaic GPU (a subset
-      of :data:`BACKWARD`: the output's backward, the reverse state pass,
-      the backward through the UT transform);
+      of :data:`BACKWARD`: W and U, the output's backward, the reverse state
+      pass, the backward through the UT transform);
       the others are the Pallas ones, as is the rest of the backward. Each
       runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
       or 128.

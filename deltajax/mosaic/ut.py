@@ -1,4 +1,4 @@
-"""The UT inverse in Mosaic GPU: per chunk, ``T = (I + diag(b) A)^-1``.
+"""The UT transform in Mosaic GPU: per chunk, ``T = (I + diag(b) A)^-1``.
 
 ``A = Gamma * K K^T`` (strictly lower; GDN seed, section 2.3) for a scalar
 gate, so ``I + diag(b) A`` is unit lower triangular. The math is
@@ -13,6 +13,9 @@ float32 accuracy.
 One CTA (one warpgroup) per (batch, chunk, value head): TMA brings the
 chunk's keys (q/k head ``j // G``), gate and beta into shared memory;
 ``K K^T`` is one wgmma.
+
+For the backward, :func:`w_u` forms ``[W | U] = T diag(b) [K e^g | V]`` from
+the forward's T: two wgmmas per chunk.
 """
 
 from __future__ import annotations
@@ -119,3 +122,58 @@ def inverse(mg, k, g, b, heads):
                      square, square, plgpu.Barrier(num_arrivals=4)],
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_ut_inverse")(k, g, b)
+
+
+def _w_u_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, k_s, v_s,
+              g_s, b_s, t_s, bar, *, groups):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
+  for src, dst in ((k_ref.at[bi, tokens, hk], k_s),
+                   (v_ref.at[bi, tokens, h], v_s),
+                   (g_ref.at[bi, h, tokens], g_s),
+                   (b_ref.at[bi, h, tokens], b_s),
+                   (t_ref.at[bi, h, tokens], t_s)):
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+  plgpu.barrier_wait(bar)
+  beta = mg.load(b_s, ROWS)
+  # diag(b) [K e^g | V], in place of K and V, then W and U in their place.
+  for x_s, factor in ((k_s, beta * jnp.exp(mg.load(g_s, ROWS))), (v_s, beta)):
+    x = mg.load(x_s, compat.WGMMA).astype(jnp.float32)
+    x_s[...] = (lax.broadcast_in_dim(factor, x.shape, [0]) * x).astype(
+        x_s.dtype)
+  plgpu.commit_smem()
+  w, u = mg.products([([(t_s, k_s)], k_s.shape, None),
+                      ([(t_s, v_s)], v_s.shape, None)])
+  for x_s, x, dst in ((k_s, w, w_ref), (v_s, u, u_ref)):
+    x_s[...] = x.astype(x_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x_s, dst.at[bi, tokens, h])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def w_u(mg, k, v, g, b, t):
+  """``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``, chunk by chunk.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, t: ``[B, HV, T, C]``, one
+      16-bit dtype; K and V in {64, 128}, T a multiple of 64.
+    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+
+  Returns:
+    ``(w [B, T, HV, K], u [B, T, HV, V])`` in k's dtype, as
+    :func:`deltajax.pallas.ut.w_u`'s.
+  """
+  bsz, t_len, h, dk = k.shape
+  heads, dv = v.shape[2:]
+  vec = plgpu.SMEM((C,), jnp.float32)
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), k.dtype),
+              jax.ShapeDtypeStruct(v.shape, k.dtype)]
+  scratch = [compat.smem((C, dk), k.dtype), compat.smem((C, dv), k.dtype),
+             vec, vec, compat.smem((C, C), k.dtype),
+             plgpu.Barrier(num_arrivals=5)]
+  return mg.kernel(
+      lambda *refs: _w_u_body(mg, *refs, groups=heads // h),
+      out_type=out_type, scratch_types=scratch,
+      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
+      kernel_name="deltajax_mosaic_w_u")(k, v, g, b, t)

@@ -217,11 +217,11 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def backward(scale, chunk_size, config, residuals, cotangents,
-             output_backward=output.output_backward,
+             w_u=ut.w_u, output_backward=output.output_backward,
              backward_scan=state.backward_scan, ut_backward=ut.ut_backward):
   """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
   backward, on the residuals its forward saves in this layout, with its own
-  kernels in place of :func:`output.output_backward`,
+  kernels in place of :func:`ut.w_u`, :func:`output.output_backward`,
   :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
   signatures)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
@@ -239,8 +239,8 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
-  w, u = ut.w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
-                t=t, launch=launch("w_u"), **shared)
+  w, u = w_u(k=kp if kr is None else krp, v=vp, g=g, b=beta, cuts=cuts,
+             t=t, launch=launch("w_u"), **shared)
   if p is None:
     dq, dg_out, d_delta, dk_out = output_backward(
         q=qp, k=kp, g=g, cuts=cuts, states=states, delta=delta, d_o=d_o,
