@@ -86,51 +86,50 @@ def test_mosaic_strong_gates_stay_finite():
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
 
 
+def _contract_inputs(seed, **shape):
+  """``(args, cotangents)`` for :func:`mosaic.gated_delta_mosaic` itself: bf16
+  q, k, v, float32 a ``[..., 1]``, b and initial state; the cotangents of
+  o (bf16) and of the final state."""
+  x = utils.random_inputs(seed, batch=1, heads=1, gate_scale=0.25,
+                          state_scale=0.1, **shape)
+  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
+  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
+  d_o, d_s = utils.random_cotangents(seed + 1, x)
+  return ((q, k, v, a[..., None], b, s0),
+          (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32)))
+
+
+def _mosaic_vjp(args, cotangents, **options):
+  """``(outputs, gradients)`` of :func:`mosaic.gated_delta_mosaic` with
+  ``options``."""
+  f = lambda *x: mosaic.gated_delta_mosaic(*x, None, None, scale=0.125,
+                                           chunk_size=64, **options)
+  out, vjp = jax.vjp(f, *args)
+  return out, vjp(cotangents)
+
+
 def test_specialized_schedule_gives_the_same_results():
   """The three-warpgroup scan (the interpreter runs its warpgroups and
   checks that every barrier phase is observed) computes what the one
   warpgroup scan does: outputs, final state and, through the chunk states
   and Delta it saves, the gradients."""
-  x = utils.random_inputs(9, batch=1, length=192, heads=1, value_heads=1,
-                          key_dim=64, value_dim=64, gate_scale=0.25,
-                          state_scale=0.1)
-  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
-  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
-  cts = tuple(jnp.asarray(c, jnp.float32)
-              for c in utils.random_cotangents(2, x))
-
-  def run(specialized):
-    f = lambda *args: mosaic.gated_delta_mosaic(
-        *args[:4], args[4], args[5], None, None, scale=0.125, chunk_size=64,
-        specialized=specialized)
-    out, vjp = jax.vjp(f, q, k, v, a[..., None], b, s0)
-    return out, vjp((cts[0].astype(jnp.bfloat16), cts[1]))
-
-  for got, want in zip(jax.tree.leaves(run(True)),
-                       jax.tree.leaves(run(False))):
+  args, cts = _contract_inputs(9, length=192, value_heads=1, key_dim=64,
+                               value_dim=64)
+  for got, want in zip(
+      jax.tree.leaves(_mosaic_vjp(args, cts, specialized=True)),
+      jax.tree.leaves(_mosaic_vjp(args, cts, specialized=False))):
     np.testing.assert_allclose(np.asarray(got, np.float32),
                                np.asarray(want, np.float32), rtol=0,
                                atol=1e-6 * float(np.max(np.abs(want))))
 
 
 def test_backward_kernels_agree_with_the_pallas_ones():
-  """Each backward kernel in Mosaic GPU alone, and both, against the Pallas
-  backward on the same saved values (``backward=()``): the gradients agree
-  to their 16-bit roundings; unknown kernel names are refused."""
-  x = utils.random_inputs(4, batch=1, length=128, heads=1, value_heads=2,
-                          key_dim=64, value_dim=128, gate_scale=0.25,
-                          state_scale=0.1)
-  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
-  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
-  cts = tuple(jnp.asarray(c, jnp.float32)
-              for c in utils.random_cotangents(5, x))
-
-  def grads(backward):
-    f = lambda *args: mosaic.gated_delta_mosaic(
-        *args, None, None, scale=0.125, chunk_size=64, backward=backward)
-    _, vjp = jax.vjp(f, q, k, v, a[..., None], b, s0)
-    return vjp((cts[0].astype(jnp.bfloat16), cts[1]))
-
+  """Each backward kernel in Mosaic GPU alone, and all of them, against the
+  Pallas backward on the same saved values (``backward=()``): the gradients
+  agree to their 16-bit roundings; unknown kernel names are refused."""
+  args, cts = _contract_inputs(4, length=128, value_heads=2, key_dim=64,
+                               value_dim=128)
+  grads = lambda backward: _mosaic_vjp(args, cts, backward=backward)[1]
   want = grads(())
   for backward in [*((name,) for name in mosaic.BACKWARD), mosaic.BACKWARD]:
     for name, got, ref in zip(("dq", "dk", "dv", "da", "db", "dh0"),

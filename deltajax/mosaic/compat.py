@@ -48,6 +48,13 @@ def interpret_params():
   return InterpretGPUParams()
 
 
+def copy_in(copies, barrier):
+  """TMA copies of ``(source in HBM, destination in shared memory)`` pairs,
+  all arriving on ``barrier`` (whose arrival count is their number)."""
+  for src, dst in copies:
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
 def smem(shape, dtype):
   """Shared memory tiled and swizzled for TMA and wgmma (rows along the last
   axis): the widest swizzle the row allows."""

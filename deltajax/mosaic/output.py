@@ -47,14 +47,13 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
           dp_s, dq_s, dk_s, dd_s, dg_s, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  for src, dst in ((q_ref.at[bi, tokens, hk], q_s),
-                   (k_ref.at[bi, tokens, hk], k_s),
-                   (g_ref.at[bi, h, tokens], g_rows),
-                   (g_ref.at[bi, h, tokens], g_cols),
-                   (s_ref.at[bi, h, n], s_s),
-                   (delta_ref.at[bi, tokens, h], delta_s),
-                   (do_ref.at[bi, tokens, h], do_s)):
-    plgpu.copy_gmem_to_smem(src, dst, bar)
+  compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
+                  (k_ref.at[bi, tokens, hk], k_s),
+                  (g_ref.at[bi, h, tokens], g_rows),
+                  (g_ref.at[bi, h, tokens], g_cols),
+                  (s_ref.at[bi, h, n], s_s),
+                  (delta_ref.at[bi, tokens, h], delta_s),
+                  (do_ref.at[bi, tokens, h], do_s)), bar)
   plgpu.barrier_wait(bar)
   square = (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)

@@ -71,9 +71,10 @@ def _body(mg, k_ref, g_ref, b_ref, t_ref, k_s, g_rows, g_cols, b_s, hi_s,
           lo_s, t_s, bar, *, groups):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens = pl.ds(n * C, C)
-  plgpu.copy_gmem_to_smem(k_ref.at[bi, tokens, lax.div(h, groups)], k_s, bar)
-  for dst, src in ((g_rows, g_ref), (g_cols, g_ref), (b_s, b_ref)):
-    plgpu.copy_gmem_to_smem(src.at[bi, h, tokens], dst, bar)
+  compat.copy_in(((k_ref.at[bi, tokens, lax.div(h, groups)], k_s),
+                  (g_ref.at[bi, h, tokens], g_rows),
+                  (g_ref.at[bi, h, tokens], g_cols),
+                  (b_ref.at[bi, h, tokens], b_s)), bar)
   plgpu.barrier_wait(bar)
   kk = mg.mm([(k_s, compat.T(k_s))], (C, C))
   rows, cols = mg.iota((C, C), 0), mg.iota((C, C), 1)
@@ -128,12 +129,11 @@ def _w_u_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, k_s, v_s,
               g_s, b_s, t_s, bar, *, groups):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  for src, dst in ((k_ref.at[bi, tokens, hk], k_s),
-                   (v_ref.at[bi, tokens, h], v_s),
-                   (g_ref.at[bi, h, tokens], g_s),
-                   (b_ref.at[bi, h, tokens], b_s),
-                   (t_ref.at[bi, h, tokens], t_s)):
-    plgpu.copy_gmem_to_smem(src, dst, bar)
+  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                  (v_ref.at[bi, tokens, h], v_s),
+                  (g_ref.at[bi, h, tokens], g_s),
+                  (b_ref.at[bi, h, tokens], b_s),
+                  (t_ref.at[bi, h, tokens], t_s)), bar)
   plgpu.barrier_wait(bar)
   beta = mg.load(b_s, ROWS)
   # diag(b) [K e^g | V], in place of K and V, then W and U in their place.

@@ -72,25 +72,23 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   keys, square = (C, k_s.shape[1]), (C, C)
-  for src, dst in ((k_ref.at[bi, tokens, hk], k_s),
-                   (w_ref.at[bi, tokens, h], w_s),
-                   (t_ref.at[bi, h, tokens], t_s),
-                   (dkout_ref.at[bi, tokens, h], dkout_s),
-                   (g_ref.at[bi, h, tokens], g_rows),
-                   (g_ref.at[bi, h, tokens], g_cols),
-                   (b_ref.at[bi, h, tokens], b_s),
-                   (dgout_ref.at[bi, h, tokens], dgout_s)):
-    plgpu.copy_gmem_to_smem(src, dst, bar)
+  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                  (w_ref.at[bi, tokens, h], w_s),
+                  (t_ref.at[bi, h, tokens], t_s),
+                  (dkout_ref.at[bi, tokens, h], dkout_s),
+                  (g_ref.at[bi, h, tokens], g_rows),
+                  (g_ref.at[bi, h, tokens], g_cols),
+                  (b_ref.at[bi, h, tokens], b_s),
+                  (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
 
   def load_block(j):
     cols = pl.ds(j * BV, BV)
-    for src, dst in ((v_ref.at[bi, tokens, h, cols], v_s),
-                     (u_ref.at[bi, tokens, h, cols], u_s),
-                     (dd_ref.at[bi, tokens, h, cols], dd_s),
-                     (delta_ref.at[bi, tokens, h, cols], delta_s),
-                     (s_ref.at[bi, h, n, :, cols], s_s),
-                     (dnext_ref.at[bi, h, n, :, cols], dn_s)):
-      plgpu.copy_gmem_to_smem(src, dst, block_bar)
+    compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
+                    (u_ref.at[bi, tokens, h, cols], u_s),
+                    (dd_ref.at[bi, tokens, h, cols], dd_s),
+                    (delta_ref.at[bi, tokens, h, cols], delta_s),
+                    (s_ref.at[bi, h, n, :, cols], s_s),
+                    (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
 
   load_block(0)
   plgpu.barrier_wait(bar)
