@@ -3,9 +3,10 @@
 16-bit inputs, float32 gates and initial state, against the float64 chunked
 reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
-dims, on KDA and on Gated DeltaNet-2; impl="auto" (what a user gets) on grouped value heads,
-packed sequences, fla's GDN test grid and fla's KDA test shapes; the
-decoding step's kernel in a jitted loop at the benchmark's shape.
+dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper; impl="auto"
+(what a user gets) on grouped value heads, packed sequences, fla's GDN test
+grid and fla's KDA test shapes (KDA and Gated DeltaNet-2); the decoding
+step's kernel in a jitted loop at the benchmark's shape.
 """
 
 import jax
@@ -56,6 +57,17 @@ def _run(impl, args, cotangents, **options):
   names = ("dq", "dk", "dv", "da", "db", *(("dw",) if gdn2 else ()), "dh0")
   out = dict(o=o, s=s, **dict(zip(names, grads)))
   return {n: np.asarray(x, np.float64) for n, x in out.items()}
+
+
+def _gdn2_args(args, seed):
+  """KDA's ``(q, k, v, a, b, s0)`` as Gated DeltaNet-2's ``(q, k, v, a,
+  erase, write, s0)``: erase and write gates ``sigmoid(N(0, 1))`` per key
+  and value channel."""
+  q, k, v, a, _, s0 = args
+  rng = np.random.default_rng(seed)
+  erase, write = (1 / (1 + np.exp(-rng.standard_normal(x.shape)))
+                  for x in (a, v))
+  return q, k, v, a, erase, write, s0
 
 
 def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
@@ -109,15 +121,11 @@ def test_kda_pallas_matches_float64_reference(dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],
                          ids=("bf16", "float32"))
 def test_gdn2_pallas_matches_float64_reference(dtype):
-  """Gated DeltaNet-2 through the kernels (asked for by name: "auto" does
-  not take them for it yet) at the KDA test's shape and inputs, with erase
-  and write gates ``sigmoid(N(0, 1))`` per key and value channel."""
-  (q, k, v, a, _, s0), cts = _inputs(1024, 128, seed=12, bsz=2, h=4,
-                                     per_channel=True, nonnegative_qk=True)
-  rng = np.random.default_rng(13)
-  erase, write = (1 / (1 + np.exp(-rng.standard_normal(x.shape)))
-                  for x in (a, v))
-  _check("pallas", (q, k, v, a, erase, write, s0), cts, dtype=dtype,
+  """Gated DeltaNet-2 through the kernels at the KDA test's shape and
+  inputs."""
+  args, cts = _inputs(1024, 128, seed=12, bsz=2, h=4, per_channel=True,
+                      nonnegative_qk=True)
+  _check("pallas", _gdn2_args(args, seed=13), cts, dtype=dtype,
          label=f"gdn2 pallas {dtype}")
 
 
@@ -173,18 +181,22 @@ def test_auto_fla_gdn_grid(t, d, div, scale, half_zero):
 
 
 # fla's KDA shapes, q and k non-negative then L2-normalised, gates
-# logsigmoid(N(0, 1)) / n, an initial state, through impl="auto".
+# logsigmoid(N(0, 1)) / n, an initial state, through impl="auto"; for Gated
+# DeltaNet-2 too, with the erase and write gates of _gdn2_args.
 KDA_SHAPES = [((1, 63, 1, 64), 0.1), ((2, 500, 3, 60), 1), ((2, 1000, 3, 64), 10),
               ((3, 1024, 4, 100), 0.1), ((4, 1024, 4, 128), 1),
               ((2, 1500, 4, 128), 10), ((4, 2048, 8, 64), 1)]
 
 
+@pytest.mark.parametrize("rule", ("kda", "gdn2"))
 @pytest.mark.parametrize("shape,div", KDA_SHAPES, ids=str)
-def test_auto_fla_kda_shapes(shape, div):
+def test_auto_fla_kda_shapes(shape, div, rule):
   bsz, t, h, d = shape
   args, cts = _inputs(t, d, seed=t + d, bsz=bsz, h=h, per_channel=True,
                       gate_div=div, nonnegative_qk=True)
-  _check("auto", args, cts, label=f"auto KDA {shape} /{div}")
+  if rule == "gdn2":
+    args = _gdn2_args(args, seed=t + d + 1)
+  _check("auto", args, cts, label=f"auto {rule} {shape} /{div}")
 
 
 def _decode(impl, state, q, k, v, a, b):
