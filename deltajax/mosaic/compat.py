@@ -48,6 +48,11 @@ def interpret_params():
   return InterpretGPUParams()
 
 
+def rows(x, shape):
+  """A per-row vector (``ROWS``) broadcast over ``shape``'s columns."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
 def copy_in(copies, barrier):
   """TMA copies of ``(source in HBM, destination in shared memory)`` pairs,
   all arriving on ``barrier`` (whose arrival count is their number)."""

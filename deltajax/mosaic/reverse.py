@@ -54,10 +54,6 @@ class _Shared(NamedTuple):
   final: object   # barrier: dS of the final state arrived
 
 
-def _rows(x, shape):
-  """A per-row ``[C]`` value broadcast over ``shape``'s columns."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
 
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
           d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale):
@@ -90,13 +86,13 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
     d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
     sh.ds[...] = ds.astype(sh.ds.dtype)
-    sh.read[...] = (_rows(scale * jnp.exp(g), tile) * d_o).astype(
+    sh.read[...] = (compat.rows(scale * jnp.exp(g), tile) * d_o).astype(
         sh.read.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
     d_delta = (mg.load(sh.dd.at[slot], WGMMA)
-               + _rows(jnp.exp(g_end - g), tile) * kds)
+               + compat.rows(jnp.exp(g_end - g), tile) * kds)
     sh.out[...] = d_delta.astype(sh.out.dtype)
     sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
     plgpu.commit_smem()

@@ -71,10 +71,6 @@ class _Shared(NamedTuple):
   s0: object      # barrier: the initial state arrived
 
 
-def _rows(x, shape):
-  """A per-row ``[C]`` value broadcast over ``shape``'s columns."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
 
 class _Chunk(NamedTuple):
   """One chunk's view of the kernel: refs, indices and its slot."""
@@ -96,12 +92,13 @@ class _Chunk(NamedTuple):
     tile = (C, BV)
     v = mg.load(sh.v.at[slot], WGMMA).astype(jnp.float32)
     beta = mg.load(sh.beta.at[slot], ROWS)
-    sh.y[...] = (_rows(beta, tile) * (v - _rows(jnp.exp(g_row), tile) * ks)
-                 ).astype(sh.y.dtype)
+    decayed_ks = compat.rows(jnp.exp(g_row), tile) * ks
+    sh.y[...] = (compat.rows(beta, tile) * (v - decayed_ks)).astype(
+        sh.y.dtype)
     plgpu.commit_smem()
     delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
     sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
-    sh.e[...] = (delta * _rows(jnp.exp(g_end - g_row), tile)).astype(
+    sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
         sh.y.dtype)
     plgpu.commit_smem()
 
@@ -120,7 +117,7 @@ class _Chunk(NamedTuple):
     g_row, _ = self.gates()
     g_col = self.mg.load(self.sh.g_cols.at[self.slot], COLS)
     gamma = jnp.exp(jnp.where(
-        rows >= cols, _rows(g_row, square)
+        rows >= cols, compat.rows(g_row, square)
         - lax.broadcast_in_dim(g_col, square, [1]), -jnp.inf))
     return ut.halves(scale * gamma * qk, self.sh.y.dtype)
 
@@ -130,7 +127,7 @@ class _Chunk(NamedTuple):
     sh, (p_hi, p_lo) = self.sh, p
     g_row, _ = self.gates()
     q = self.mg.load(sh.q.at[self.slot], WGMMA).astype(jnp.float32)
-    qg = (q * _rows(scale * jnp.exp(g_row), q.shape)).astype(sh.y.dtype)
+    qg = (q * compat.rows(scale * jnp.exp(g_row), q.shape)).astype(sh.y.dtype)
     return ([(qg, sh.s), (p_hi, sh.d_hi), (p_lo, sh.d_hi),
              (p_hi, sh.d_lo)], (C, BV), None)
 

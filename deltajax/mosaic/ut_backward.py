@@ -44,10 +44,6 @@ _CHUNK_INPUTS = 8  # TMA copies: k, W, T, dk_out, the gate twice, b, dg_out
 _BLOCK_INPUTS = 6  # per value block: v, U, dDelta, Delta, S, dS'
 
 
-def _rows(x, shape):
-  """A per-row vector broadcast over ``shape``'s columns."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
 
 def _column_sums(mg, x, staging, width):
   """``x`` (a per-row vector of length ``width``) summed, and
@@ -111,7 +107,7 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
     db = block_db if db is None else db + block_db
     ds_sum = block_ds if ds_sum is None else ds_sum + block_ds
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
-    dv_s[...] = (_rows(beta, tile) * d_xv).astype(dv_s.dtype)
+    dv_s[...] = (compat.rows(beta, tile) * d_xv).astype(dv_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[bi, tokens, h,
                                             pl.ds(j * BV, BV)])
@@ -127,21 +123,21 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
   (minus_dm,) = mg.products([([(d_xk.astype(w_s.dtype), compat.T(w_s))],
                               square, minus_dm)])
   k = mg.load(k_s, WGMMA).astype(jnp.float32)
-  end_share = jnp.sum(k * _rows(to_end, keys) * d_k_end, axis=1)
-  d_xk_kg = jnp.sum(d_xk * k * _rows(from_start, keys), axis=1)
+  end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
+  d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
   db = db + d_xk_kg
   dg = beta * d_xk_kg - end_share
-  dk = (_rows(to_end, keys) * d_k_end + mg.load(dkout_s, WGMMA)
-        + _rows(from_start * beta, keys) * d_xk)
+  dk = (compat.rows(to_end, keys) * d_k_end + mg.load(dkout_s, WGMMA)
+        + compat.rows(from_start * beta, keys) * d_xk)
 
   # M = diag(b) A: db's share, then dA = diag(b) dM through A.
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   gamma = jnp.exp(jnp.where(
-      rows > cols, _rows(g, square)
+      rows > cols, compat.rows(g, square)
       - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
   (kk,) = mg.products([([(k_s, compat.T(k_s))], square, None)])
   db = db - jnp.sum(minus_dm * gamma * kk, axis=1)
-  de_s[...] = (-_rows(beta, square) * minus_dm * gamma).astype(de_s.dtype)
+  de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(de_s.dtype)
   plgpu.commit_smem()
   dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
                                   ([(compat.T(de_s), k_s)], keys, None)])
