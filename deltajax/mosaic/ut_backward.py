@@ -44,11 +44,11 @@ _CHUNK_INPUTS = 8  # TMA copies: k, W, T, dk_out, the gate twice, b, dg_out
 _BLOCK_INPUTS = 6  # per value block: v, U, dDelta, Delta, S, dS'
 
 
-
 def _column_sums(mg, x, staging, width):
-  """``x`` (a per-row vector of length ``width``) summed, and
-  ``y_i = sum_{j >= i} x_j`` for a length-C ``x`` (``width`` None): per-row
-  vectors of length C, through ``staging [width or C]`` float32."""
+  """Sums across the rows of a per-row vector ``x``, as per-row vectors of
+  length C: with ``width`` (x's length), x's total in every row; without it
+  (x of length C), ``y_i = sum_{j >= i} x_j``. Through ``staging``
+  (float32, x's length)."""
   staging[...] = x
   plgpu.commit_smem()  # a warpgroup barrier too: every row's value is in
   square = (C, width or C)
