@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import deltajax
+from deltajax import mosaic
+from deltajax import pallas
 
 DEFAULT_SHAPES = ((4, 4096, 16, 128), (4, 2048, 16, 128), (2, 16384, 16, 128),
                   (1, 8192, 96, 128), (8, 1024, 8, 64))
@@ -212,12 +214,14 @@ def rel_rms(x, ref):
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def implementations_for(shape, only=None):
+def implementations_for(shape, only=None, gate="gdn"):
   """deltajax implementations to time at ``shape`` (``only``: a subset)."""
   bsz, t, h = shape[:3]
   impls = ["chunked"]
   if jax.default_backend() == "gpu":
     impls.append("pallas")
+    if gate == "gdn" and pallas.gpu_capability() >= mosaic.MIN_CAPABILITY:
+      impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
   return [i for i in impls if only is None or i in only]
@@ -239,7 +243,7 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
   for shape in shapes:
     inputs = make_inputs(shape, gate=gate)
     results = {}
-    for impl in implementations_for(shape, only):
+    for impl in implementations_for(shape, only, gate):
       log(f"{shape} {impl} ...")
       results[impl] = time_jax(deltajax_attention(impl, gate), inputs, reps)
     if jla is not None:

@@ -40,6 +40,7 @@ CHECKS = [(2, 256, 2, 2, 64, 64), (2, 1000, 2, 2, 128, 128),
 TIMED = [(4, 4096, 16, 128), (8, 1024, 8, 64)]
 # Options of gated_delta_mosaic by name (T a multiple of 64, K, V <= 128).
 VARIANTS = {
+    "mosaic inv=mosaic": dict(inverse="mosaic"),
     "mosaic bwd=pallas": dict(backward=()),
     **{f"mosaic bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},

@@ -141,6 +141,22 @@ def test_backward_kernels_agree_with_the_pallas_ones():
     grads(("scan",))
 
 
+def test_inverses_agree():
+  """The forward with the Mosaic GPU UT inverse against the default (the
+  Pallas one): outputs and final state agree to their 16-bit roundings;
+  an unknown inverse is refused."""
+  args, _ = _contract_inputs(6, length=128, value_heads=2, key_dim=64,
+                             value_dim=64)
+  run = lambda inverse: mosaic.gated_delta_mosaic(
+      *args, None, None, scale=0.125, chunk_size=64, inverse=inverse)
+  for got, want in zip(run("mosaic"), run("pallas")):
+    err = utils.relative_rms_error(np.asarray(got, np.float64),
+                                   np.asarray(want, np.float64))
+    assert err < 1e-2, err
+  with pytest.raises(ValueError, match="inverse"):
+    run("triton")
+
+
 @pytest.mark.parametrize("beta", [1.0, 1.99])
 def test_inverse_is_stable_for_aligned_keys(beta):
   """Identical keys, no decay: substitution keeps T exact to its bf16

@@ -1,8 +1,11 @@
 """``impl="mosaic"``: the Gated DeltaNet forward as Mosaic GPU kernels (Hopper).
 
-Forward: :func:`ut.inverse` (parallel over chunks) -> :func:`scan.forward`
-(the state scan and the output fused, sequential over chunks; on one
-warpgroup, or with ``specialized=True`` on three). The
+Forward: the UT inverse (parallel over chunks; the Pallas kernel
+:func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
+:func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
+one) -> :func:`scan.forward` (the state scan and the output fused,
+sequential over chunks; on one warpgroup, or with ``specialized=True`` on
+three). The
 products run on the tensor cores with 16-bit operands, so q, k and v must be
 16-bit (the registry refuses float32 and float64 ones: ``wide=False``);
 gates, beta, the state and every accumulation are float32.
@@ -73,11 +76,12 @@ _BACKWARD_KERNELS = {
          "d_delta", "dk_out", "dg_out"), ("k", "v")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
+INVERSES = ("pallas", "mosaic")
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, specialized=False,
-                       backward=BACKWARD):
+                       inverse="pallas", backward=BACKWARD):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -92,6 +96,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     specialized: the scan on three warpgroups (state, output, TMA) instead
       of one (:func:`scan.forward`); not the default until timed on the
       H200 (benchmarks/mosaic_check.py).
+    inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
+      Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
+      the H200, RESULTS run L) or :func:`ut.inverse`.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform);
@@ -118,11 +125,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
+  if inverse not in INVERSES:
+    raise ValueError(f"inverse: {inverse!r} is not one of {INVERSES}")
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
-  o, final = _mosaic(float(scale), specialized, tuple(backward),
+  o, final = _mosaic(float(scale), (specialized, inverse), tuple(backward),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -139,7 +148,20 @@ def _mosaic_gpu():
   return compat.Mosaic(interpret=jax.default_backend() != "gpu")
 
 
-def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
+def _inverse(mg, kind, k, g, beta, heads):
+  """T of every chunk (``[B, HV, T, C]``) by the ``kind`` of
+  :data:`INVERSES`."""
+  if kind == "mosaic":
+    return ut.inverse(mg, k, g, beta, heads=heads)
+  config = pallas_core.KernelConfig().resolve()
+  return pallas_ut.inverse(
+      k=k, g=g, b=beta, cuts=None, a=None, heads=heads, chunk_size=CHUNK,
+      launch=config.launch("inverse", per_channel=False),
+      interpret=mg.interpret, dot=config.dot)
+
+
+def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
+  specialized, inverse = schedule
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
@@ -147,7 +169,7 @@ def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
   g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                    q.shape[-1], mg.interpret)
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
-  t = ut.inverse(mg, k, g, beta, heads=v.shape[2])
+  t = _inverse(mg, inverse, k, g, beta, v.shape[2])
   o, final, *saved = scan.forward(mg, q, k, vp, t, g, beta, s0, scale=scale,
                                   save=save, specialized=specialized)
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
@@ -160,17 +182,18 @@ def _forward(scale, specialized, q, k, v, a, b, initial_state, save):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mosaic(scale, specialized, backward, q, k, v, a, b, initial_state):
+def _mosaic(scale, schedule, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
-  initial state; scale, specialized and backward are static."""
+  initial state; scale, the forward's ``schedule`` (specialized, inverse)
+  and backward are static."""
   del backward
-  return _forward(scale, specialized, q, k, v, a, b, initial_state,
+  return _forward(schedule, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
 
 
-def _fwd(scale, specialized, backward, q, k, v, a, b, initial_state):
+def _fwd(scale, schedule, backward, q, k, v, a, b, initial_state):
   del backward
-  outputs, saved = _forward(scale, specialized, q, k, v, a, b, initial_state,
+  outputs, saved = _forward(schedule, scale, q, k, v, a, b, initial_state,
                             save=True)
   return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
 
@@ -188,8 +211,8 @@ def _in_mosaic(name):
   return call
 
 
-def _bwd(scale, specialized, backward, residuals, cotangents):
-  del specialized  # a forward schedule only
+def _bwd(scale, schedule, backward, residuals, cotangents):
+  del schedule  # the forward's only
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword: _in_mosaic(name)
              for name in backward}
