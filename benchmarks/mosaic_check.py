@@ -1,14 +1,14 @@
 """impl="mosaic" on the H200: checked against "chunked", timed against "pallas".
 
-    python -m benchmarks.mosaic_check
+    python -m benchmarks.mosaic_check [--variants "mosaic inv=mosaic" ...]
 
 (a) Correctness: the forward (o and the final state) of impl="mosaic"
 against impl="chunked" (float32, HIGHEST products) on the same rounded
-inputs, for float32 and bf16 q/k/v, at shapes with T not a multiple of 64,
-an initial state, K = V = 64 and 128, odd head dims and grouped value
-heads; then one forward+backward's gradients. Prints max abs and relative
-RMS errors (fla's tolerance: 0.005 for o and the state, 0.008 for dq, dk,
-dv, dh0, 0.02 for da, db). (b) Speed: forward and forward+backward of
+inputs, for float16 and bf16 q/k/v (it refuses float32 ones), at shapes
+with T not a multiple of 64, an initial state, K = V = 64 and 128, odd head
+dims and grouped value heads; then one forward+backward's gradients.
+Prints max abs and relative RMS errors (fla's tolerance: 0.005 for o and
+the state, 0.008 for dq, dk, dv, dh0, 0.02 for da, db). (b) Speed: forward and forward+backward of
 "mosaic" and "pallas" on benchmark.py's inputs (bf16) and timing
 (:func:`benchmark.median_ms`). "mosaic bwd=..." is "mosaic" with the
 backward's Mosaic GPU kernels limited to those named (``gated_delta_mosaic(...,
@@ -18,11 +18,13 @@ counterpart. "mosaic ws" is the same with the scan on three warpgroups
 cases run last, so that a hang there (a barrier protocol
 that the interpreter passed but the GPU does not) leaves every other line
 printed. Every case catches its own exception and prints its first 300
-characters. About a minute on the H200.
+characters. About six minutes on the H200 with every variant (run L):
+``--variants`` picks some.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import traceback
 
@@ -139,7 +141,7 @@ def _checks_and_times(impl, checks, gradient_shape):
   """Prints the forward checks, one gradient check and the times of
   ``impl`` (and of "pallas" for the ratio)."""
   for shape in checks:
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.float16, jnp.bfloat16):
       _run(f"{impl} forward {shape} {jnp.dtype(dtype).name}",
            functools.partial(check_forward, shape, dtype, impl))
   _run(f"{impl} gradients {gradient_shape} bf16 rel RMS",
@@ -158,15 +160,21 @@ def _checks_and_times(impl, checks, gradient_shape):
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                      choices=list(VARIANTS),
+                      help="the variants to check and time after the default")
+  args = parser.parse_args()
   print(f"JAX {jax.__version__}, {jax.devices()}")
   _checks_and_times("mosaic", CHECKS, (2, 1000, 2, 2, 128, 128))
-  for impl in VARIANTS:  # the backward's kernels one by one
+  for impl in args.variants:  # e.g. the backward's kernels one by one
     if impl != "mosaic ws":
       _checks_and_times(impl, [], (2, 1024, 2, 2, 128, 128))
-  # The three-warpgroup scan: T a multiple of 64, K, V in {64, 128}.
-  _checks_and_times("mosaic ws", [c for c in CHECKS if c[1] % 64 == 0
-                                  and c[4] % 64 == 0 and c[5] % 64 == 0],
-                    (2, 1024, 2, 2, 128, 128))
+  if "mosaic ws" in args.variants:
+    # The three-warpgroup scan: T a multiple of 64, K, V in {64, 128}.
+    _checks_and_times("mosaic ws", [c for c in CHECKS if c[1] % 64 == 0
+                                    and c[4] % 64 == 0 and c[5] % 64 == 0],
+                      (2, 1024, 2, 2, 128, 128))
 
 
 if __name__ == "__main__":

@@ -365,7 +365,8 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
       impl, gate=gate, length=t,
       chunk_size=chunk_size, packed=segment_ids is not None
       or cu_seqlens is not None, grouped=hv != q.shape[2],
-      wide=jnp.dtype(jnp.result_type(q, k, v)).itemsize >= 4).fn
+      wide=jnp.dtype(jnp.result_type(q, k, v)).itemsize >= 4,
+      head_dim=max(dk, dv)).fn
   call = functools.partial(fn, scale=scale, chunk_size=chunk_size)
   if cu_seqlens is None:
     padded = common.round_up(t, chunk_size)

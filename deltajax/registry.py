@@ -67,6 +67,7 @@ class Implementation:
       (None: all of ``gates``). Others run when asked for by name.
     wide: float32 and float64 q, k, v are computed at their precision;
       False: its products are 16-bit, and it takes 16-bit q, k, v only.
+    max_head_dim: the largest K and V it takes (None: any).
   """
   name: str
   fn: Callable
@@ -79,6 +80,7 @@ class Implementation:
   min_capability: tuple[int, int] | None = None
   auto_gates: tuple[str, ...] | None = None
   wide: bool = True
+  max_head_dim: int | None = None
 
   def runs_natively(self) -> bool:
     """Whether it runs compiled on the default backend (and GPU)."""
@@ -95,9 +97,10 @@ class Implementation:
     return self.gates if self.auto_gates is None else self.auto_gates
 
   def unsupported(self, *, gate: str, chunk_size: int, packed: bool,
-                  grouped: bool, wide: bool = False) -> str | None:
+                  grouped: bool, wide: bool = False,
+                  head_dim: int = 0) -> str | None:
     """Why it cannot run this call, or None when it can; ``wide``: q, k, v
-    in float32 or float64."""
+    in float32 or float64; ``head_dim``: the larger of K and V."""
     if gate not in self.gates:
       return f"it has no {gate!r} gate (it supports {self.gates})"
     if chunk_size not in self.chunk_sizes:
@@ -109,6 +112,8 @@ class Implementation:
     if wide and not self.wide:
       return ("its products are 16-bit: q, k and v must be bfloat16 or "
               "float16")
+    if self.max_head_dim is not None and head_dim > self.max_head_dim:
+      return f"it supports head dims up to {self.max_head_dim}"
     if not self.runs_natively() and not self.emulated:
       return f"it runs on {self.native} only, not {jax.default_backend()!r}"
     if (jax.default_backend() == "gpu" and self.min_capability is not None
@@ -133,13 +138,17 @@ REGISTRY = {
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
         auto_gates=("head", "channel", "gdn2")),
-    # Hopper only; its forward is slower than "pallas" on the H200
-    # (benchmarks/RESULTS.md, run I), so "auto" does not pick it.
+    # Hopper only; faster than "pallas" on the H200, forward and
+    # forward+backward, at every shape timed (benchmarks/RESULTS.md, run L).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=("head",),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
-        min_capability=mosaic.MIN_CAPABILITY, auto_gates=(), wide=False),
+        min_capability=mosaic.MIN_CAPABILITY, wide=False,
+        max_head_dim=mosaic.MAX_HEAD_DIM),
 }
+
+# The kernels "auto" considers, fastest first.
+AUTO_KERNELS = ("mosaic", "pallas")
 
 IMPLEMENTATIONS = ("auto", *REGISTRY)
 
@@ -152,24 +161,25 @@ SCAN_BELOW = {"head": 1024, "channel": float("inf"),
 
 
 def select(impl: str, *, gate: str, length: int, chunk_size: int,
-           packed: bool, grouped: bool, wide: bool = False) -> Implementation:
+           packed: bool, grouped: bool, wide: bool = False,
+           head_dim: int = 0) -> Implementation:
   """The implementation that runs a call: ``impl``, or the fastest for "auto".
 
-  "auto" takes "pallas" where it runs natively (NVIDIA GPUs of compute
-  capability >= 8.0), supports the call and lists the gate in its
-  ``auto_gates``; else "scan" for short sequences
-  on the CPU (:data:`SCAN_BELOW`); else "chunked".
+  "auto" takes the first of :data:`AUTO_KERNELS` ("mosaic" on Hopper, then
+  "pallas" on NVIDIA GPUs of compute capability >= 8.0) that runs natively,
+  supports the call and lists the gate in its ``auto_gates``; else "scan"
+  for short sequences on the CPU (:data:`SCAN_BELOW`); else "chunked".
 
   Raises:
     ValueError: ``impl`` is unknown or cannot run this call.
   """
   features = dict(gate=gate, chunk_size=chunk_size, packed=packed,
-                  grouped=grouped, wide=wide)
+                  grouped=grouped, wide=wide, head_dim=head_dim)
   if impl == "auto":
-    pallas_impl = REGISTRY["pallas"]
-    if (pallas_impl.runs_natively() and gate in pallas_impl.chosen_by_auto()
-        and not pallas_impl.unsupported(**features)):
-      return pallas_impl
+    for kernels in map(REGISTRY.get, AUTO_KERNELS):
+      if (kernels.runs_natively() and gate in kernels.chosen_by_auto()
+          and not kernels.unsupported(**features)):
+        return kernels
     if jax.default_backend() == "cpu" and length < SCAN_BELOW[gate]:
       return REGISTRY["scan"]
     return REGISTRY["chunked"]

@@ -185,22 +185,23 @@ def test_auto_picks_an_implementation_that_supports_the_gate(gate):
     assert gate in chosen.gates and chosen.runs_natively()
 
 
-@pytest.mark.parametrize("gate", registry.GATES)
-def test_auto_on_a_gpu_picks_pallas_only_for_its_auto_gates(gate, monkeypatch):
-  """On a GPU (faked here), "auto" takes the kernels for the gates they have
-  been timed on and the jnp chunked form for the others."""
-  pallas_impl = registry.REGISTRY["pallas"]
-  monkeypatch.setattr(type(pallas_impl), "runs_natively", lambda self: True)
+@pytest.mark.parametrize("call,expected", [
+    (dict(), "mosaic"),
+    (dict(wide=True), "pallas"),
+    (dict(head_dim=256), "pallas"),
+    (dict(packed=True), "pallas"),
+    (dict(chunk_size=32), "pallas"),
+    (dict(gate="channel"), "pallas"),
+    (dict(gate="gdn2"), "pallas"),
+])
+def test_auto_on_hopper_takes_the_fastest_kernels_that_can_run(
+    call, expected, monkeypatch):
+  """On a Hopper GPU (faked here), "auto" takes impl="mosaic" for what it
+  supports and has been timed on (the per-head gate, 16-bit q, k, v, head
+  dims up to 128, chunks of 64, no packing), else "pallas"."""
+  monkeypatch.setattr(registry.Implementation, "runs_natively",
+                      lambda self: True)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  chosen = registry.select("auto", gate=gate, length=4096, chunk_size=64,
-                           packed=False, grouped=False)
-  expected = "pallas" if gate in pallas_impl.chosen_by_auto() else "chunked"
-  assert chosen.name == expected
-  by_name = functools.partial(registry.select, "pallas", gate=gate,
-                              length=4096, chunk_size=64, packed=False,
-                              grouped=False)
-  if gate in pallas_impl.gates:
-    assert by_name() is pallas_impl
-  else:
-    with pytest.raises(ValueError, match=f"no {gate!r} gate"):
-      by_name()
+  call = dict(dict(gate="head", length=4096, chunk_size=64, packed=False,
+                   grouped=True, head_dim=128), **call)
+  assert registry.select("auto", **call).name == expected

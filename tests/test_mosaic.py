@@ -74,6 +74,18 @@ def test_mosaic_matches_float64(shape):
                              gate_scale=0.25, state_scale=0.1))
 
 
+@pytest.mark.parametrize("gate_scale", [10.0, 0.1])
+def test_mosaic_float16_fla_gdn_grid(gate_scale):
+  """float16 q, k, v, beta = 1 and gates scaled as fla's GDN grid (which
+  impl="auto" sends here on Hopper), with half of the gates zeroed."""
+  x = utils.random_inputs(11, batch=1, length=100, heads=2, key_dim=100,
+                          value_dim=64, gate_scale=gate_scale, beta_one=True,
+                          state_scale=0.1)
+  a = x.a.copy()
+  a[:, :, :1] = 0
+  _check(x._replace(a=a), dtype=jnp.float16)
+
+
 def test_mosaic_strong_gates_stay_finite():
   """a = -5 on every token of the first chunk and -30 on single tokens, b
   near 2, nearly aligned keys: every exponent is <= 0, nothing overflows.

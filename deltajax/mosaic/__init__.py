@@ -2,6 +2,7 @@
 
 from deltajax.mosaic.ops import BACKWARD
 from deltajax.mosaic.ops import gated_delta_mosaic
+from deltajax.mosaic.ops import MAX_HEAD_DIM
 from deltajax.mosaic.ops import MIN_CAPABILITY
 
-__all__ = ["gated_delta_mosaic", "BACKWARD", "MIN_CAPABILITY"]
+__all__ = ["gated_delta_mosaic", "BACKWARD", "MAX_HEAD_DIM", "MIN_CAPABILITY"]
