@@ -8,9 +8,9 @@ inputs, for float16 and bf16 q/k/v (it refuses float32 ones), at shapes
 with T not a multiple of 64, an initial state, K = V = 64 and 128, odd head
 dims and grouped value heads; then one forward+backward's gradients.
 Prints max abs and relative RMS errors (fla's tolerance: 0.005 for o and
-the state, 0.008 for dq, dk, dv, dh0, 0.02 for da, db). (b) Speed: forward and forward+backward of
-"mosaic" and "pallas" on benchmark.py's inputs (bf16) and timing
-(:func:`benchmark.median_ms`). "mosaic bwd=..." is "mosaic" with the
+the state, 0.008 for dq, dk, dv, dh0, 0.02 for da, db). (b) Speed:
+forward and forward+backward of "mosaic" and "pallas" on benchmark.py's
+inputs (bf16) and timing (:func:`benchmark.median_ms`). "mosaic bwd=..." is "mosaic" with the
 backward's Mosaic GPU kernels limited to those named (``gated_delta_mosaic(...,
 backward=...)``; "pallas": none), to time each against its Pallas
 counterpart. "mosaic ws" is the same with the scan on three warpgroups
