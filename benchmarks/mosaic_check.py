@@ -20,7 +20,8 @@ cases run last, so that a hang there (a barrier protocol that the
 interpreter passed but the GPU does not) leaves every other line printed.
 Every case catches its own exception and prints its first 300 characters.
 About six minutes on the H200 with every variant (run L): ``--variants``
-picks some. """
+picks some.
+"""
 
 from __future__ import annotations
 
