@@ -52,12 +52,16 @@ def main() -> None:
   print(f"deltajax {deltajax.__version__}, JAX {jax.__version__}, devices "
         f"{jax.devices()}")
   print("inputs: float32, " + ", ".join(f"{n}={s}" for n, s in SHAPE.items()))
+  head_dim = max(SHAPE["key_dim"], SHAPE["value_dim"])
   for gate in registry.GATES:
-    picks = {t: registry.select("auto", gate=gate, length=t, chunk_size=64,
-                                packed=False, grouped=False).name
-             for t in (SHAPE["length"], 4096)}
+    picks = {(t, dtype): registry.select(
+        "auto", gate=gate, length=t, chunk_size=64, packed=False,
+        grouped=False, wide=dtype == "float32", head_dim=head_dim).name
+             for t in (SHAPE["length"], 4096)
+             for dtype in ("float32", "bfloat16")}
     print(f'impl="auto" for the {gate!r} gate picks ' + ", ".join(
-        f"{name!r} at T = {t}" for t, name in picks.items()))
+        f"{name!r} at T = {t} ({dtype} q, k, v)"
+        for (t, dtype), name in picks.items()))
   args = random_inputs(0, **SHAPE)
   reference = None
   for impl, entry in registry.REGISTRY.items():
