@@ -1,7 +1,7 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
     python benchmarks/benchmark.py [--gate gdn|kda|gdn2] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
-        [--reps 20] [--impls scan chunked pallas] [--out DIR]
+        [--reps 20] [--impls scan chunked pallas mosaic mosaic/8] [--out DIR]
 
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
@@ -14,6 +14,8 @@ inside a jitted loop of 100 steps. Prints a markdown table with ratios to
 jla and fla, and writes
 ``results.md`` and ``time_vs_t.png`` (time against T, log scale) into
 ``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
+An ``--impls`` entry ``"<impl>/<n>"`` times that implementation with T cut
+into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ def time_jax(attention, inputs, reps):
 
 
 def deltajax_attention(impl, gate="gdn"):
+  """``(q, k, v, a, b) -> o`` of deltajax's ``impl``; ``"<impl>/<n>"``:
+  that implementation with T cut into n pieces run side by side
+  (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
+  impl, _, pieces = impl.partition("/")
+  if pieces:
+    def attention(q, k, v, a, b):
+      b, w = b if gate == "gdn2" else (b, None)
+      return deltajax.parallel.gated_delta_in_pieces(
+          q, k, v, a, b, w=w, pieces=int(pieces), impl=impl)
+    return attention
   if gate == "gdn2":
     return lambda q, k, v, a, b: deltajax.gdn2(q, k, v, a, *b, impl=impl)
   return lambda q, k, v, a, b: deltajax.gated_delta(q, k, v, a, b, impl=impl)
@@ -224,7 +236,8 @@ def implementations_for(shape, only=None, gate="gdn"):
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
-  return [i for i in impls if only is None or i in only]
+  in_pieces = [i for i in only or () if "/" in i]  # e.g. "mosaic/8"
+  return [i for i in impls if only is None or i in only] + in_pieces
 
 
 def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",

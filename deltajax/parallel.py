@@ -14,8 +14,9 @@ each of its outputs is ``o_t = o_t^0 + P_t S_in`` with ``o^0`` the output
 from the zero state and ``P_t = scale q_t^T F_{<=t}`` (``F_{<=t}`` the
 transition from the segment's start through token t). The recurrence acts
 on every value column on its own, so one call of :func:`deltajax.gated_delta`
-per device with ``K`` extra value columns, ``v = [v, 0]`` and initial state
-``[0, I]``, yields all four: outputs ``[o^0, P]`` and final state ``[G, F]``.
+per device on the batch stacked twice, values ``v`` then ``0`` from initial
+states ``0`` then ``I``, yields all four: outputs ``o^0`` then ``P`` and
+final states ``G`` then ``F``.
 The devices then compose the small ``(F, G)`` pairs by a scan across
 devices (``log2(D)`` rounds of ``ppermute``) into the state that enters each
 segment, and correct their outputs with one matmul. A second local pass from the true state would cost
@@ -77,7 +78,7 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
   ``D`` must divide T (and ``T / D`` is best a multiple of ``chunk_size``).
 
   Cost per device, against one device running the whole sequence: its
-  segment with ``V + K`` value columns instead of ``V``; ``log2(D) + 1``
+  segment on twice the batch (value width ``max(K, V)``); ``log2(D) + 1``
   exchanges of ``[B, H, K, K + V]`` (or less) with a neighbour, each with
   ``[K, K] x [K, K + V]`` matmuls per (batch, head); and one
   ``[T / D, K] x [K, V]`` matmul per (batch, head). Gradients are those of
@@ -105,6 +106,99 @@ def gated_delta_sequence_parallel(q, k, v, a, b, *, mesh, axis_name,
       batch_axis=batch_axis, seq_axis=axis_name, head_axis=head_axis,
       scale=scale, impl=impl, chunk_size=chunk_size)
   return (o, final_state) if return_final_state else o
+
+
+def gated_delta_in_pieces(q, k, v, a, b, *, pieces, scale=None,
+                          initial_state=None, return_final_state=False,
+                          segment_ids=None, impl="auto", chunk_size=64,
+                          w=None):
+  """:func:`deltajax.gated_delta` with T cut into pieces run side by side.
+
+  For calls whose few (batch, head) pairs leave most of a GPU idle in the
+  sequential state scan: the sequence is cut into ``pieces`` equal runs of
+  tokens, which become rows of one batched call on this device; each run's
+  affine map from its entry state (as :func:`gated_delta_sequence_parallel`
+  forms it across devices) is composed by a scan over the pieces, and the
+  outputs corrected with one matmul. Exact: the same result as one call up
+  to rounding.
+
+  Cost, against one call: the whole sequence on twice the batch (value
+  width ``max(K, V)``), which the kernels run ``pieces`` times more in
+  parallel and with ``pieces`` times fewer sequential steps; ``pieces - 1``
+  compositions of ``[K, K] x [K, K + V]`` per (batch, head); one
+  ``[T, K] x [K, V]`` product per (batch, head). Gradients are those of
+  autodiff through this computation.
+
+  Args:
+    q, k, v, a, b, initial_state, scale, return_final_state, segment_ids,
+      impl, chunk_size: as for :func:`deltajax.gated_delta`, in the
+      ``[B, T, H, ...]`` form (``a`` of q's shape is KDA's per-channel
+      gate); a document of ``segment_ids`` may span pieces. T is padded at
+      its end to a multiple of ``pieces * chunk_size`` with tokens that
+      leave the state unchanged.
+    pieces: the number of runs of tokens (>= 1).
+    w: None, or Gated DeltaNet-2's write gate ``[B, T, HV, V]``; then ``b``
+      is its erase gate ``[B, T, HV, K]`` (:func:`deltajax.gdn2`).
+
+  Returns:
+    ``o`` ``[B, T, HV, V]`` or ``(o, final_state)``, as
+    :func:`deltajax.gated_delta` returns them.
+  """
+  if not isinstance(pieces, int) or pieces < 1:
+    raise ValueError(f"pieces must be a positive int; got {pieces!r}")
+  q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
+  w = None if w is None else jnp.asarray(w)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+  options = dict(scale=scale, impl=impl, chunk_size=chunk_size)
+  _check_inputs(q, k, v, a, b, w, initial_state, segment_ids, options)
+  o, final_state = _in_pieces(q, k, v, a, b, w,
+                              _initial_state(q, k, v, initial_state),
+                              segment_ids, pieces=pieces, **options)
+  return (o, final_state) if return_final_state else o
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "scale", "impl",
+                                             "chunk_size"))
+def _in_pieces(q, k, v, a, b, w, initial_state, segment_ids, *, pieces,
+               scale, impl, chunk_size):
+  """:func:`gated_delta_in_pieces` on checked inputs."""
+  if pieces == 1:
+    return _rule(q, k, v, a, b, w, initial_state=initial_state,
+                 segment_ids=segment_ids, return_final_state=True,
+                 scale=scale, impl=impl, chunk_size=chunk_size)
+  bsz, t = q.shape[:2]
+  length = common.round_up(t, pieces * chunk_size) // pieces
+  # Zero keys and gates leave the state unchanged; their outputs are dropped.
+  as_rows = lambda x: None if x is None else common.pad_axis(
+      x, 1, pieces * length).reshape(bsz * pieces, length, *x.shape[2:])
+  carries = None
+  if segment_ids is not None:
+    # A piece continues its predecessor's document unless one starts at its
+    # first token (the padding continues the last document).
+    ids = jnp.pad(segment_ids, ((0, 0), (0, pieces * length - t)),
+                  mode="edge").reshape(bsz, pieces, length)
+    carries = jnp.concatenate(
+        [jnp.ones((bsz, 1), bool), ids[:, 1:, 0] == ids[:, :-1, -1]],
+        axis=1).reshape(-1)
+    segment_ids = ids.reshape(bsz * pieces, length)
+  o_zero, p, f, g = _segment_affine_map(
+      *map(as_rows, (q, k, v, a, b, w)), segment_ids, carries, scale=scale,
+      impl=impl, chunk_size=chunk_size)
+  by_piece = lambda x: jnp.moveaxis(x.reshape(bsz, pieces, *x.shape[1:]), 1,
+                                    0)
+
+  def enter(state, map_):
+    f, g = map_
+    return common.mm(f, state) + g, state
+
+  final_state, entry = lax.scan(enter, initial_state,
+                                (by_piece(f), by_piece(g)))
+  o = o_zero + common.einsum(
+      "bthk,bhkv->bthv", p,
+      jnp.moveaxis(entry, 0, 1).reshape(bsz * pieces, *entry.shape[2:]))
+  o = o.reshape(bsz, pieces * length, *o.shape[2:])[:, :t]
+  return o.astype(v.dtype), final_state
 
 
 def _rule(q, k, v, a, b, w, **options):
@@ -261,6 +355,11 @@ def _segment_affine_map(q, k, v, a, b, w, segment_ids, carries, *, scale,
   ``carries`` (``[B]`` bool or None) says whether ``S_in`` enters each row
   (False: a document starts at the segment's first token).
 
+  The recurrence acts on every value column on its own, so one call on the
+  batch stacked twice gives both parts: rows ``[:B]`` carry v from the zero
+  state, rows ``[B:]`` zero values from the identity (value widths padded
+  to ``max(K, V)``, so that a kernel limited to ``V <= K`` still takes it).
+
   Returns ``(o_zero, p, f, g)``: ``[B, T, HV, V]``, ``[B, T, HV, K]`` in v's
   dtype, ``[B, HV, K, K]``, ``[B, HV, K, V]`` in the compute dtype, with
   outputs ``o_zero + p S_in`` and final state ``f S_in + g``.
@@ -268,20 +367,24 @@ def _segment_affine_map(q, k, v, a, b, w, segment_ids, carries, *, scale,
   dtype = common.compute_dtype(q, k, v)
   bsz, t, hv, dv = v.shape
   dk = q.shape[-1]
-  # The extra value columns are zeros, in v's dtype: 16-bit inputs keep the
-  # 16-bit kernels.
-  v_aug = jnp.concatenate([v, jnp.zeros((bsz, t, hv, dk), v.dtype)], axis=-1)
-  if w is not None:  # the write gate of the zero columns is irrelevant
-    w = jnp.concatenate([w, jnp.zeros((bsz, t, hv, dk), w.dtype)], axis=-1)
-  identity = jnp.broadcast_to(jnp.eye(dk, dtype=dtype), (bsz, hv, dk, dk))
+  width = max(dk, dv)
+  twice = lambda x: None if x is None else jnp.concatenate([x, x])
+  # The zero values are in v's dtype: 16-bit inputs keep the 16-bit kernels.
+  values = jnp.concatenate([common.pad_axis(v, 3, width),
+                            jnp.zeros((bsz, t, hv, width), v.dtype)])
+  if w is not None:  # the write gate of the padded columns is irrelevant
+    w = twice(common.pad_axis(w, 3, width))
+  identity = jnp.broadcast_to(jnp.eye(dk, width, dtype=dtype),
+                              (bsz, hv, dk, width))
   if carries is not None:
     identity = identity * carries[:, None, None, None].astype(dtype)
-  s_aug = jnp.concatenate([jnp.zeros((bsz, hv, dk, dv), dtype), identity],
-                          axis=-1)
-  o, s = _rule(q, k, v_aug, a, b, w, scale=scale, initial_state=s_aug,
-               return_final_state=True, segment_ids=segment_ids, impl=impl,
+  states = jnp.concatenate([jnp.zeros_like(identity), identity])
+  o, s = _rule(twice(q), twice(k), values, twice(a), twice(b), w,
+               scale=scale, initial_state=states, return_final_state=True,
+               segment_ids=twice(segment_ids), impl=impl,
                chunk_size=chunk_size)
-  return o[..., :dv], o[..., dv:], s[..., dv:], s[..., :dv]
+  return (o[:bsz, ..., :dv], o[bsz:, ..., :dk], s[bsz:, ..., :dk],
+          s[:bsz, ..., :dv])
 
 
 def _segment_initial_state(f, g, initial_state, axis_name):
