@@ -106,7 +106,7 @@ class Implementation:
     if chunk_size not in self.chunk_sizes:
       return f"chunk_size must be one of {self.chunk_sizes}"
     if packed and not self.packed:
-      return "it does not support segment_ids, cu_seqlens or a = -inf"
+      return "it does not support segment_ids or cu_seqlens"
     if grouped and not self.grouped:
       return "it does not support grouped value heads"
     if wide and not self.wide:

@@ -86,6 +86,17 @@ def test_mosaic_float16_fla_gdn_grid(gate_scale):
   _check(x._replace(a=a), dtype=jnp.float16)
 
 
+def test_mosaic_full_forgets():
+  """a = -inf (clamped at the floor) inside a chunk, at a chunk's first
+  token and at the last token: the state is forgotten there, as in float64
+  (impl="auto" sends such calls here on Hopper)."""
+  x = utils.random_inputs(5, batch=1, length=100, heads=1, key_dim=64,
+                          value_dim=64, gate_scale=0.25, state_scale=0.1)
+  a = x.a.copy()
+  a[:, [30, 64, 99]] = -np.inf
+  _check(x._replace(a=a))
+
+
 def test_mosaic_strong_gates_stay_finite():
   """a = -5 on every token of the first chunk and -30 on single tokens, b
   near 2, nearly aligned keys: every exponent is <= 0, nothing overflows.

@@ -114,8 +114,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     raise ValueError(f"impl='mosaic' needs chunk_size = {CHUNK}; got "
                      f"{chunk_size}")
   if cut is not None or chunk_seq is not None:
-    raise ValueError("impl='mosaic' does not support segment_ids, cu_seqlens "
-                     "or a = -inf")
+    raise ValueError("impl='mosaic' does not support segment_ids or "
+                     "cu_seqlens")
   if isinstance(b, tuple) or a.shape[-1] != 1:
     raise ValueError("impl='mosaic' has only the per-head gate (a [B, T, HV])")
   dims = (q.shape[-1], v.shape[-1])
