@@ -5,9 +5,12 @@ reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
 dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper; impl="auto"
 (what a user gets) on grouped value heads, packed sequences, fla's GDN test
-grid and fla's KDA test shapes (KDA and Gated DeltaNet-2); the decoding
-step's kernel in a jitted loop at the benchmark's shape.
+grid and fla's KDA test shapes (KDA and Gated DeltaNet-2), and in pieces
+(``parallel.gated_delta_in_pieces``); the decoding step's kernel in a jitted
+loop at the benchmark's shape.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +45,15 @@ def _inputs(t, d, seed, bsz=2, h=2, hv=None, per_channel=False, gate_div=4.0,
   return tuple(x), utils.random_cotangents(seed + 1, x)
 
 
-def _run(impl, args, cotangents, **options):
+def _run(impl, args, cotangents, pieces=None, **options):
   """``args``: ``(q, k, v, a, b, s0)``, or ``(q, k, v, a, b, w, s0)`` for
-  Gated DeltaNet-2."""
+  Gated DeltaNet-2; ``pieces``: through
+  :func:`deltajax.parallel.gated_delta_in_pieces` (not Gated DeltaNet-2)."""
   gdn2 = len(args) == 7
   rule = deltajax.gdn2 if gdn2 else deltajax.gated_delta
+  if pieces is not None:
+    rule = functools.partial(deltajax.parallel.gated_delta_in_pieces,
+                             pieces=pieces)
 
   def f(*x):
     return rule(*x[:-1], initial_state=x[-1], impl=impl,
@@ -74,9 +81,9 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
   with jax.enable_x64(True):
     low = tuple(jnp.asarray(x, dtype) for x in args[:3]) + tuple(
         jnp.asarray(x, jnp.float32) for x in args[3:])
-    # The reference sees the same rounded values, in float64.
+    # The reference sees the same rounded values, in float64, in one call.
     ref = _run("chunked", tuple(jnp.asarray(x, jnp.float64) for x in low), cts,
-               **options)
+               **{n: x for n, x in options.items() if n != "pieces"})
     got = _run(impl, low, cts, **options)
   tolerances = {n: tol for n, tol in TOLERANCES.items() if n in got}
   errors = {n: np.linalg.norm(got[n] - ref[n]) / max(np.linalg.norm(ref[n]),
@@ -160,6 +167,15 @@ def test_auto_segment_ids():
   args, cts = _inputs(1024, 128, seed=7)
   _check("auto", args, cts, label="auto segment_ids",
          segment_ids=jnp.asarray(ids))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_auto_in_pieces(per_channel):
+  """One sequence cut into 4 pieces run side by side, against one call of
+  the float64 reference."""
+  args, cts = _inputs(4096, 128, seed=11, bsz=1, per_channel=per_channel)
+  _check("auto", args, cts, label=f"auto in 4 pieces, KDA {per_channel}",
+         pieces=4)
 
 
 # fla's GDN grid (T, D, gate divisor, scale, half the gates zeroed), fp16,
