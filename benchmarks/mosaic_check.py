@@ -47,6 +47,7 @@ VARIANTS = {
     "mosaic bwd=pallas": dict(backward=()),
     **{f"mosaic bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
+    "mosaic form_w_u": dict(form_w_u=True),
     "mosaic ws": dict(specialized=True),
 }
 

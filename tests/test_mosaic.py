@@ -164,6 +164,21 @@ def test_backward_kernels_agree_with_the_pallas_ones():
     grads(("scan",))
 
 
+def test_formed_w_u_give_the_same_gradients():
+  """ut_backward forming W and U itself (``form_w_u=True``) rounds them as
+  ut.w_u does: the same gradients, to float32 rounding; it needs the two
+  kernels in Mosaic GPU."""
+  args, cts = _contract_inputs(5, length=128, value_heads=2, key_dim=64,
+                               value_dim=128)
+  grads = lambda **options: _mosaic_vjp(args, cts, **options)[1]
+  for got, want in zip(grads(form_w_u=True), grads()):
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(want, np.float32), rtol=0,
+                               atol=1e-5 * float(np.max(np.abs(want))))
+  with pytest.raises(ValueError, match="form_w_u needs"):
+    grads(form_w_u=True, backward=("ut",))
+
+
 def test_inverses_agree():
   """The forward with the Mosaic GPU UT inverse against the default (the
   Pallas one): outputs and final state agree to their 16-bit roundings;
@@ -222,7 +237,7 @@ def test_kernels_lower_for_the_gpu(specialized):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the backward's kernels."""
+  states, the backward's kernels (with and without form_w_u)."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -235,14 +250,18 @@ def test_kernels_lower_for_the_gpu(specialized):
       (lambda *x: output.output_backward(mg, *x, scale=0.1),
        (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
         shape(1, 128, 2, 128))),
-      (lambda *x: ut.w_u(mg, *x), (keys, shape(1, 128, 2, 128), vec, vec,
-                                   shape(1, 2, 128, 64))),
-      (lambda *x: ut_backward.ut_backward(mg, *x),
-       (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
-        shape(1, 128, 2, 128), shape(1, 128, 2, 128), shape(1, 2, 2, 128, 128),
-        shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
-        shape(1, 128, 2, 128), shape(1, 128, 2, 128, dtype=jnp.float32),
-        vec)),
+      *((lambda *x, v=values: ut.w_u(mg, *x, values=v),
+         (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64)))
+        for values in (True, False)),
+      # ut_backward reading W and U, then forming them (form_w_u).
+      *((lambda k, v, g, b, t, *x, w_u=w_u: ut_backward.ut_backward(
+          mg, k, v, g, b, t, *(x[:2] if w_u else (None, None)), *x[2:]),
+         (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
+          shape(1, 128, 2, 128), shape(1, 128, 2, 128),
+          shape(1, 2, 2, 128, 128), shape(1, 2, 2, 128, 128),
+          shape(1, 128, 2, 128), shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128, dtype=jnp.float32), vec))
+        for w_u in (True, False)),
       (lambda *x: reverse.backward(mg, *x, scale=0.1),
        (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
         shape(1, 128, 2, 128, dtype=jnp.float32),

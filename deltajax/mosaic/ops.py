@@ -81,7 +81,8 @@ INVERSES = ("pallas", "mosaic")
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, specialized=False,
-                       inverse="pallas", backward=BACKWARD):
+                       inverse="pallas", backward=BACKWARD,
+                       form_w_u=False):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -105,6 +106,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the others are the Pallas ones, as is the rest of the backward. Each
       runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
       or 128.
+    form_w_u: the backward through the UT transform forms W and U chunk by
+      chunk instead of reading them, and :func:`ut.w_u` forms only W (for
+      the reverse pass): U's round trip through HBM and W's second read
+      saved, for two more products per chunk. Needs "w_u" and "ut" in
+      ``backward``; not the default until timed on the H200.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -131,7 +137,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
-  o, final = _mosaic(float(scale), (specialized, inverse), tuple(backward),
+  if form_w_u and not {"w_u", "ut"} <= set(backward):
+    raise ValueError("form_w_u needs 'w_u' and 'ut' in backward; got "
+                     f"{tuple(backward)}")
+  o, final = _mosaic(float(scale), (specialized, inverse),
+                     (tuple(backward), form_w_u),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -185,7 +195,7 @@ def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, schedule, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``schedule`` (specialized, inverse)
-  and backward are static."""
+  and ``backward`` (its Mosaic kernels, form_w_u) are static."""
   del backward
   return _forward(schedule, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
@@ -198,24 +208,32 @@ def _fwd(scale, schedule, backward, q, k, v, a, b, initial_state):
   return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
 
 
-def _in_mosaic(name):
+def _in_mosaic(name, **options):
   """The backward kernel ``name`` of :data:`BACKWARD` under the signature of
   the Pallas kernel it replaces, which still runs where a padded head dim
-  is not 64 or 128."""
+  is not 64 or 128; ``options`` go to the Mosaic one."""
   kernel = _BACKWARD_KERNELS[name]
 
   def call(**kwargs):
     if {kwargs[n].shape[-1] for n in kernel.widths} - {64, 128}:
       return kernel.pallas(**kwargs)
-    return kernel.mosaic(_mosaic_gpu(), **{n: kwargs[n] for n in kernel.args})
+    return kernel.mosaic(_mosaic_gpu(), **{
+        **{n: kwargs[n] for n in kernel.args}, **options})
   return call
+
+
+# gated_delta_mosaic(form_w_u=True): W alone from ut.w_u, neither W nor U
+# into ut_backward (both fall back to Pallas at the same head dims).
+_FORMED_W_U = {"w_u": dict(values=False), "ut": dict(w=None, u=None)}
 
 
 def _bwd(scale, schedule, backward, residuals, cotangents):
   del schedule  # the forward's only
+  names, form_w_u = backward
+  options = _FORMED_W_U if form_w_u else {}
   config = pallas_core.KernelConfig().resolve()
-  kernels = {_BACKWARD_KERNELS[name].keyword: _in_mosaic(name)
-             for name in backward}
+  kernels = {_BACKWARD_KERNELS[name].keyword:
+             _in_mosaic(name, **options.get(name, {})) for name in names}
   grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
                               **kernels)
   return grads[:6]  # those of q, k, v, a, b and initial_state

@@ -125,33 +125,39 @@ def inverse(mg, k, g, b, heads):
       kernel_name="deltajax_mosaic_ut_inverse")(k, g, b)
 
 
-def _w_u_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, k_s, v_s,
-              g_s, b_s, t_s, bar, *, groups):
+def _w_u_body(mg, *refs, groups, values):
+  """W (and U where ``values``) of one chunk."""
+  n_in = 5 if values else 4
+  inputs, outputs = refs[:n_in], refs[n_in:n_in + 1 + values]
+  k_ref, *v_ref, g_ref, b_ref, t_ref = inputs
+  k_s, *v_s, g_s, b_s, t_s, bar = refs[n_in + 1 + values:]
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  (v_ref.at[bi, tokens, h], v_s),
+                  *((x.at[bi, tokens, h], x_s) for x, x_s in zip(v_ref, v_s)),
                   (g_ref.at[bi, h, tokens], g_s),
                   (b_ref.at[bi, h, tokens], b_s),
                   (t_ref.at[bi, h, tokens], t_s)), bar)
   plgpu.barrier_wait(bar)
   beta = mg.load(b_s, ROWS)
   # diag(b) [K e^g | V], in place of K and V, then W and U in their place.
-  for x_s, factor in ((k_s, beta * jnp.exp(mg.load(g_s, ROWS))), (v_s, beta)):
+  operands = [(k_s, beta * jnp.exp(mg.load(g_s, ROWS)))] + [
+      (x_s, beta) for x_s in v_s]
+  for x_s, factor in operands:
     x = mg.load(x_s, compat.WGMMA).astype(jnp.float32)
     x_s[...] = (lax.broadcast_in_dim(factor, x.shape, [0]) * x).astype(
         x_s.dtype)
   plgpu.commit_smem()
-  w, u = mg.products([([(t_s, k_s)], k_s.shape, None),
-                      ([(t_s, v_s)], v_s.shape, None)])
-  for x_s, x, dst in ((k_s, w, w_ref), (v_s, u, u_ref)):
+  products = mg.products([([(t_s, x_s)], x_s.shape, None)
+                          for x_s, _ in operands])
+  for (x_s, _), x, dst in zip(operands, products, outputs):
     x_s[...] = x.astype(x_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(x_s, dst.at[bi, tokens, h])
   plgpu.wait_smem_to_gmem(0)
 
 
-def w_u(mg, k, v, g, b, t):
+def w_u(mg, k, v, g, b, t, *, values=True):
   """``W = T diag(b) (K e^g)`` and ``U = T diag(b) V``, chunk by chunk.
 
   Args:
@@ -159,21 +165,27 @@ def w_u(mg, k, v, g, b, t):
     k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, t: ``[B, HV, T, C]``, one
       16-bit dtype; K and V in {64, 128}, T a multiple of 64.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    values: form U too (False: for :func:`ut_backward.ut_backward` that
+      forms U itself; v is then only read for its shape).
 
   Returns:
-    ``(w [B, T, HV, K], u [B, T, HV, V])`` in k's dtype, as
+    ``(w [B, T, HV, K], u [B, T, HV, V] or None)`` in k's dtype, as
     :func:`deltajax.pallas.ut.w_u`'s.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
   vec = plgpu.SMEM((C,), jnp.float32)
-  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), k.dtype),
-              jax.ShapeDtypeStruct(v.shape, k.dtype)]
-  scratch = [compat.smem((C, dk), k.dtype), compat.smem((C, dv), k.dtype),
-             vec, vec, compat.smem((C, C), k.dtype),
-             plgpu.Barrier(num_arrivals=5)]
-  return mg.kernel(
-      lambda *refs: _w_u_body(mg, *refs, groups=heads // h),
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), k.dtype)]
+  scratch = [compat.smem((C, dk), k.dtype)]
+  if values:
+    out_type.append(jax.ShapeDtypeStruct(v.shape, k.dtype))
+    scratch.append(compat.smem((C, dv), k.dtype))
+  scratch += [vec, vec, compat.smem((C, C), k.dtype),
+              plgpu.Barrier(num_arrivals=4 + values)]
+  outputs = mg.kernel(
+      lambda *refs: _w_u_body(mg, *refs, groups=heads // h, values=values),
       out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
-      kernel_name="deltajax_mosaic_w_u")(k, v, g, b, t)
+      kernel_name="deltajax_mosaic_w_u")(k, *([v] if values else []), g, b,
+                                         t)
+  return outputs[0], outputs[1] if values else None

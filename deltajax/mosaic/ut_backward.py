@@ -40,8 +40,8 @@ from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
-_CHUNK_INPUTS = 8  # TMA copies: k, W, T, dk_out, the gate twice, b, dg_out
-_BLOCK_INPUTS = 6  # per value block: v, U, dDelta, Delta, S, dS'
+_CHUNK_INPUTS = 7  # TMA copies: k, T, dk_out, the gate twice, b, dg_out (+ W)
+_BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS' (+ U)
 
 
 def _column_sums(mg, x, staging, width):
@@ -60,16 +60,31 @@ def _column_sums(mg, x, staging, width):
   return total
 
 
-def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
-          dnext_ref, delta_ref, dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref,
-          db_ref, da_ref, k_s, w_s, t_s, dkout_s, g_rows, g_cols, b_s,
-          dgout_s, v_s, u_s, dd_s, delta_s, s_s, dn_s, dv_s, dw_s, de_s,
-          dk_s, vec_s, key_vec_s, bar, block_bar, *, groups):
+def _scaled_product(mg, t_s, x_s, factor, staging, out_s):
+  """``out_s = T diag(factor) X`` (W or U: :func:`deltajax.mosaic.ut.w_u`'s
+  roundings), ``diag(factor) X`` staged in ``staging``."""
+  x = mg.load(x_s, WGMMA).astype(jnp.float32)
+  staging[...] = (compat.rows(factor, x.shape) * x).astype(staging.dtype)
+  plgpu.commit_smem()
+  out_s[...] = mg.mm([(t_s, staging)], x.shape).astype(out_s.dtype)
+  plgpu.commit_smem()
+
+
+def _body(mg, *refs, groups, form_w_u):
+  n_in = 11 if form_w_u else 13
+  (k_ref, v_ref, g_ref, b_ref, t_ref, *w_u_refs, s_ref, dnext_ref, delta_ref,
+   dd_ref, dkout_ref, dgout_ref) = refs[:n_in]
+  (dk_ref, dv_ref, db_ref, da_ref, k_s, w_s, t_s, dkout_s, g_rows, g_cols,
+   b_s, dgout_s, v_s, u_s, dd_s, delta_s, s_s, dn_s, dv_s, dw_s, de_s, dk_s,
+   vec_s, key_vec_s, bar, block_bar) = refs[n_in:]
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   keys, square = (C, k_s.shape[1]), (C, C)
+  # W and U: read (w_u_refs), or formed here from T, K, V, the gate and b.
+  read_w_u = [] if form_w_u else list(zip(w_u_refs, (w_s, u_s)))
   compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  (w_ref.at[bi, tokens, h], w_s),
+                  *((w_ref.at[bi, tokens, h], x_s)
+                    for w_ref, x_s in read_w_u[:1]),
                   (t_ref.at[bi, h, tokens], t_s),
                   (dkout_ref.at[bi, tokens, h], dkout_s),
                   (g_ref.at[bi, h, tokens], g_rows),
@@ -80,7 +95,8 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
   def load_block(j):
     cols = pl.ds(j * BV, BV)
     compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
-                    (u_ref.at[bi, tokens, h, cols], u_s),
+                    *((u_ref.at[bi, tokens, h, cols], x_s)
+                      for u_ref, x_s in read_w_u[1:]),
                     (dd_ref.at[bi, tokens, h, cols], dd_s),
                     (delta_ref.at[bi, tokens, h, cols], delta_s),
                     (s_ref.at[bi, h, n, :, cols], s_s),
@@ -89,11 +105,17 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, s_ref,
   load_block(0)
   plgpu.barrier_wait(bar)
   beta = mg.load(b_s, ROWS)
+  if form_w_u:  # dw_s stages diag(b) K e^g before it takes dW
+    _scaled_product(mg, t_s, k_s, beta * jnp.exp(mg.load(g_rows, ROWS)),
+                    dw_s, w_s)
   tile = (C, BV)
   db = d_k_end = minus_dw = minus_dm = ds_sum = None
   n_blocks = v_ref.shape[-1] // BV
   for j in range(n_blocks):
     plgpu.barrier_wait(block_bar)
+    if form_w_u:  # dv_s stages diag(b) V before it takes dv
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
+      _scaled_product(mg, t_s, v_s, beta, dv_s, u_s)
     d_xv, d_k_end, minus_dw = mg.products([
         ([(compat.T(t_s), dd_s)], tile, None),
         ([(delta_s, compat.T(dn_s))], keys, d_k_end),
@@ -170,7 +192,9 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
     k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; v, u, delta, d_delta: ``[B,
       T, HV, V]``; t: ``[B, HV, T, C]``; states, d_next: ``[B, HV, T / C,
       K, V]``: one 16-bit dtype (d_delta may be float32: it is rounded to
-      it); K and V in {64, 128}, T a multiple of 64.
+      it); K and V in {64, 128}, T a multiple of 64. w and u may both be
+      None: each chunk then forms them from T, k, v, g and b, as
+      :func:`deltajax.mosaic.ut.w_u` does, instead of reading them.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
     dk_out: ``[B, T, HV, K]``, dg_out: ``[B, HV, T]``, float32: the output's
       shares.
@@ -183,6 +207,7 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
   dtype, f32 = k.dtype, jnp.float32
+  form_w_u = w is None and u is None
   d_delta = d_delta.astype(dtype)  # float32 from the Pallas reverse pass
   dk_dtype = dtype if heads == h else f32
   out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dk_dtype),
@@ -197,11 +222,12 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
              vec, block, block, block, block, state_block, state_block,
              block, keys, square, compat.smem((C, dk), dk_dtype), vec,
              plgpu.SMEM((dk,), f32),
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
-             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS)]
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + (not form_w_u)),
+             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS + (not form_w_u))]
+  w_u = [] if form_w_u else [w, u]
   return mg.kernel(
-      lambda *refs: _body(mg, *refs, groups=heads // h),
+      lambda *refs: _body(mg, *refs, groups=heads // h, form_w_u=form_w_u),
       out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_ut_backward",
-      )(k, v, g, b, t, w, u, states, d_next, delta, d_delta, dk_out, dg_out)
+      )(k, v, g, b, t, *w_u, states, d_next, delta, d_delta, dk_out, dg_out)
