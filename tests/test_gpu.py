@@ -169,6 +169,26 @@ def test_auto_segment_ids():
          segment_ids=jnp.asarray(ids))
 
 
+def test_auto_under_vmap():
+  """jax.vmap over impl="auto" (on Hopper the Mosaic GPU kernels: the
+  batching rule adds a grid axis) against the same call on the stacked
+  batch, forward and gradients."""
+  args, _ = _inputs(300, 128, seed=13, bsz=4)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in args[:3])
+  a, b = (jnp.asarray(x, jnp.float32) for x in args[3:5])
+
+  def loss(q, k, v, a, b):
+    o = deltajax.gated_delta(q, k, v, a, b)
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+  grads = jax.jit(jax.grad(loss, argnums=range(5)))
+  one = jax.jit(jax.vmap(
+      lambda *x: grads(*(y[None] for y in x)), in_axes=0))(q, k, v, a, b)
+  for got, want in zip(one, grads(q, k, v, a, b)):
+    np.testing.assert_allclose(np.asarray(got[:, 0], np.float32),
+                               np.asarray(want, np.float32), rtol=2e-2,
+                               atol=2e-2 * float(np.max(np.abs(want))))
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_auto_in_pieces(per_channel):
   """One sequence cut into 4 pieces run side by side, against one call of

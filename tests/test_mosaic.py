@@ -237,7 +237,8 @@ def test_kernels_lower_for_the_gpu(specialized):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the backward's kernels (with and without form_w_u)."""
+  states, the backward's kernels (with and without form_w_u), the last of
+  them under vmap too."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -267,3 +268,6 @@ def test_kernels_lower_for_the_gpu(specialized):
         shape(1, 128, 2, 128, dtype=jnp.float32),
         shape(1, 2, 128, 128, dtype=jnp.float32)))]:
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  # Under vmap (impl="auto" takes these kernels on Hopper): a grid axis more.
+  batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in args]
+  jax.jit(jax.vmap(fn)).trace(*batched).lower(lowering_platforms=("cuda",))
