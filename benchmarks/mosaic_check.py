@@ -12,15 +12,17 @@ abs and relative RMS errors (fla's tolerance: 0.005 for o and the state,
 forward+backward of "mosaic" and "pallas" on benchmark.py's inputs (bf16)
 and timing (:func:`benchmark.median_ms`). "mosaic inv=mosaic" takes the
 Mosaic GPU UT inverse, "mosaic form_w_u" has ut_backward form W and U
-itself, "mosaic bwd=..." is "mosaic" with the backward's Mosaic GPU kernels
-limited to those named (``gated_delta_mosaic(..., backward=...)``; "pallas":
-none), to time each against its Pallas counterpart. "mosaic ws" is the same
-with the scan on three warpgroups (``gated_delta_mosaic(...,
-specialized=True)``, not yet the default); its cases run last, so that a
-hang there (a barrier protocol that the interpreter passed but the GPU does
-not) leaves every other line printed. Every case catches its own exception
-and prints its first 300 characters. About six minutes on the H200 with
-every variant (run L): ``--variants`` picks some.
+itself, "mosaic narrow" hands the output's shares of dDelta and dk on in
+bf16 (``narrow_shares=True``), "mosaic bwd=..." is "mosaic" with the
+backward's Mosaic GPU kernels limited to those named
+(``gated_delta_mosaic(..., backward=...)``; "pallas": none), to time each
+against its Pallas counterpart. "mosaic ws" is the same with the scan on
+three warpgroups (``gated_delta_mosaic(..., specialized=True)``, not yet the
+default); its cases run last, so that a hang there (a barrier protocol that
+the interpreter passed but the GPU does not) leaves every other line
+printed. Every case catches its own exception and prints its first 300
+characters. About six minutes on the H200 with every variant (run L):
+``--variants`` picks some.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ VARIANTS = {
     **{f"mosaic bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
     "mosaic form_w_u": dict(form_w_u=True),
+    "mosaic narrow": dict(narrow_shares=True),
+    "mosaic form_w_u narrow": dict(form_w_u=True, narrow_shares=True),
     "mosaic ws": dict(specialized=True),
 }
 

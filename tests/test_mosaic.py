@@ -164,6 +164,32 @@ def test_backward_kernels_agree_with_the_pallas_ones():
     grads(("scan",))
 
 
+def test_narrow_shares_match_float64():
+  """The output's shares of dDelta and dk handed on in bf16
+  (``narrow_shares=True``, with ``form_w_u`` too): every gradient within
+  fla's tolerances of float64, and changed by the extra roundings (the
+  option runs) except dq, which does not take them; it needs the three
+  kernels in Mosaic GPU."""
+  args, cts = _contract_inputs(8, length=256, value_heads=2, key_dim=128,
+                               value_dim=128)
+  with jax.enable_x64(True):
+    ref = jax.vjp(lambda q, k, v, a, b, s0: deltajax.gated_delta(
+        q, k, v, a[..., 0], b, initial_state=s0, impl="chunked", scale=0.125,
+        return_final_state=True),
+                  *(jnp.asarray(x, jnp.float64) for x in args))[1](
+                      tuple(jnp.asarray(c, jnp.float64) for c in cts))
+  grads = lambda **options: _mosaic_vjp(args, cts, **options)[1]
+  wide = grads()
+  names = ("dq", "dk", "dv", "da", "db", "dh0")
+  for got, want, base, name in zip(
+      grads(narrow_shares=True, form_w_u=True), ref, wide, names):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert utils.relative_rms_error(got, want) < TOLERANCES[name], name
+    assert name == "dq" or np.any(got != np.asarray(base, np.float64)), name
+  with pytest.raises(ValueError, match="narrow_shares needs"):
+    grads(narrow_shares=True, backward=("output", "ut"))
+
+
 def test_formed_w_u_give_the_same_gradients():
   """ut_backward forming W and U itself (``form_w_u=True``) rounds them as
   ut.w_u does: the same gradients, to float32 rounding; it needs the two
@@ -237,8 +263,8 @@ def test_kernels_lower_for_the_gpu(specialized):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the backward's kernels (with and without form_w_u), the last of
-  them under vmap too."""
+  states, the backward's kernels (with and without form_w_u and
+  narrow_shares), the last of them under vmap too."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -248,25 +274,29 @@ def test_kernels_lower_for_the_gpu(specialized):
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
                  vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
-      (lambda *x: output.output_backward(mg, *x, scale=0.1),
-       (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
-        shape(1, 128, 2, 128))),
+      *((lambda *x, narrow=narrow: output.output_backward(
+          mg, *x, scale=0.1, narrow=narrow),
+         (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128))) for narrow in (False, True)),
       *((lambda *x, v=values: ut.w_u(mg, *x, values=v),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64)))
         for values in (True, False)),
-      # ut_backward reading W and U, then forming them (form_w_u).
+      # ut_backward reading W, U and a float32 dk_out, then forming W and U
+      # with a bfloat16 dk_out (form_w_u, narrow_shares).
       *((lambda k, v, g, b, t, *x, w_u=w_u: ut_backward.ut_backward(
           mg, k, v, g, b, t, *(x[:2] if w_u else (None, None)), *x[2:]),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 2, 2, 128, 128), shape(1, 2, 2, 128, 128),
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
-          shape(1, 128, 2, 128, dtype=jnp.float32), vec))
-        for w_u in (True, False)),
-      (lambda *x: reverse.backward(mg, *x, scale=0.1),
-       (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
-        shape(1, 128, 2, 128, dtype=jnp.float32),
-        shape(1, 2, 128, 128, dtype=jnp.float32)))]:
+          shape(1, 128, 2, 128, dtype=dtype), vec))
+        for w_u, dtype in ((True, jnp.float32), (False, jnp.bfloat16))),
+      # The reverse pass taking dDelta_local in bfloat16 (narrow_shares).
+      *((lambda *x: reverse.backward(mg, *x, scale=0.1),
+         (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128, dtype=dtype),
+          shape(1, 2, 128, 128, dtype=jnp.float32)))
+        for dtype in (jnp.bfloat16, jnp.float32))]:
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   # Under vmap (impl="auto" takes these kernels on Hopper): a grid axis more.
   batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in args]

@@ -82,7 +82,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, specialized=False,
                        inverse="pallas", backward=BACKWARD,
-                       form_w_u=False):
+                       form_w_u=False, narrow_shares=False):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -111,6 +111,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the reverse pass): U's round trip through HBM and W's second read
       saved, for two more products per chunk. Needs "w_u" and "ut" in
       ``backward``; not the default until timed on the H200.
+    narrow_shares: the output's backward hands its shares of dDelta and dk
+      to the reverse pass and ut_backward in q's 16-bit dtype instead of
+      float32 (half their HBM traffic, one more rounding each). Needs
+      "output", "reverse" and "ut" in ``backward``; not the default until
+      timed on the H200.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -137,11 +142,14 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
-  if form_w_u and not {"w_u", "ut"} <= set(backward):
-    raise ValueError("form_w_u needs 'w_u' and 'ut' in backward; got "
-                     f"{tuple(backward)}")
+  for name, option, needs in (
+      ("form_w_u", form_w_u, ("w_u", "ut")),
+      ("narrow_shares", narrow_shares, ("output", "reverse", "ut"))):
+    if option and not set(needs) <= set(backward):
+      raise ValueError(f"{name} needs {needs} in backward; got "
+                       f"{tuple(backward)}")
   o, final = _mosaic(float(scale), (specialized, inverse),
-                     (tuple(backward), form_w_u),
+                     (tuple(backward), form_w_u, narrow_shares),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -195,7 +203,8 @@ def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, schedule, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``schedule`` (specialized, inverse)
-  and ``backward`` (its Mosaic kernels, form_w_u) are static."""
+  and ``backward`` (its Mosaic kernels, form_w_u, narrow_shares) are
+  static."""
   del backward
   return _forward(schedule, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
@@ -222,18 +231,27 @@ def _in_mosaic(name, **options):
   return call
 
 
-# gated_delta_mosaic(form_w_u=True): W alone from ut.w_u, neither W nor U
-# into ut_backward (both fall back to Pallas at the same head dims).
-_FORMED_W_U = {"w_u": dict(values=False), "ut": dict(w=None, u=None)}
+def _kernel_options(form_w_u, narrow_shares):
+  """The Mosaic backward kernels' options, by name: with ``form_w_u``, W
+  alone from ut.w_u and neither W nor U into ut_backward; with
+  ``narrow_shares``, 16-bit shares from the output's backward. (The kernels
+  that an option couples fall back to Pallas at the same head dims.)"""
+  options = {name: {} for name in BACKWARD}
+  if form_w_u:
+    options["w_u"]["values"] = False
+    options["ut"].update(w=None, u=None)
+  if narrow_shares:
+    options["output"]["narrow"] = True
+  return options
 
 
 def _bwd(scale, schedule, backward, residuals, cotangents):
   del schedule  # the forward's only
-  names, form_w_u = backward
-  options = _FORMED_W_U if form_w_u else {}
+  names, *flags = backward
+  options = _kernel_options(*flags)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
-             _in_mosaic(name, **options.get(name, {})) for name in names}
+             _in_mosaic(name, **options[name]) for name in names}
   grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
                               **kernels)
   return grads[:6]  # those of q, k, v, a, b and initial_state

@@ -149,7 +149,8 @@ def _body(mg, *refs, groups, form_w_u):
   d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
   db = db + d_xk_kg
   dg = beta * d_xk_kg - end_share
-  dk = (compat.rows(to_end, keys) * d_k_end + mg.load(dkout_s, WGMMA)
+  dk = (compat.rows(to_end, keys) * d_k_end
+        + mg.load(dkout_s, WGMMA).astype(jnp.float32)
         + compat.rows(from_start * beta, keys) * d_xk)
 
   # M = diag(b) A: db's share, then dA = diag(b) dM through A.
@@ -196,8 +197,8 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
       None: each chunk then forms them from T, k, v, g and b, as
       :func:`deltajax.mosaic.ut.w_u` does, instead of reading them.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
-    dk_out: ``[B, T, HV, K]``, dg_out: ``[B, HV, T]``, float32: the output's
-      shares.
+    dk_out: ``[B, T, HV, K]`` (float32 or k's dtype), dg_out: ``[B, HV,
+      T]`` float32: the output's shares.
 
   Returns:
     ``(dk, dv, db, da)`` as :func:`deltajax.pallas.ut.ut_backward`'s: ``[B,
@@ -218,9 +219,10 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
   keys, block = compat.smem((C, dk), dtype), compat.smem((C, BV), dtype)
   square = compat.smem((C, C), dtype)
   state_block = compat.smem((dk, BV), dtype)
-  scratch = [keys, keys, square, compat.smem((C, dk), f32), vec, vec, vec,
-             vec, block, block, block, block, state_block, state_block,
-             block, keys, square, compat.smem((C, dk), dk_dtype), vec,
+  scratch = [keys, keys, square, compat.smem((C, dk), dk_out.dtype), vec,
+             vec, vec, vec, block, block, block, block, state_block,
+             state_block, block, keys, square,
+             compat.smem((C, dk), dk_dtype), vec,
              plgpu.SMEM((dk,), f32),
              plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + (not form_w_u)),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS + (not form_w_u))]
