@@ -1,14 +1,13 @@
-"""``impl="mosaic"``: the Gated DeltaNet forward as Mosaic GPU kernels (Hopper).
+"""``impl="mosaic"``: Gated DeltaNet as Mosaic GPU kernels (Hopper).
 
 Forward: the UT inverse (parallel over chunks; the Pallas kernel
 :func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
 :func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
 one) -> :func:`scan.forward` (the state scan and the output fused,
 sequential over chunks; on one warpgroup, or with ``specialized=True`` on
-three). The
-products run on the tensor cores with 16-bit operands, so q, k and v must be
-16-bit (the registry refuses float32 and float64 ones: ``wide=False``);
-gates, beta, the state and every accumulation are float32.
+three). The products run on the tensor cores with 16-bit operands, so q, k
+and v must be 16-bit (the registry refuses float32 and float64 ones:
+``wide=False``); gates, beta, the state and every accumulation are float32.
 
 Backward: the steps of :func:`deltajax.pallas.ops.backward`, each kernel in
 Mosaic GPU where the Pallas kernels' padded head dims are 64 or 128 (else

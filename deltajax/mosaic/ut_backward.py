@@ -81,10 +81,9 @@ def _body(mg, *refs, groups, form_w_u):
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   keys, square = (C, k_s.shape[1]), (C, C)
   # W and U: read (w_u_refs), or formed here from T, K, V, the gate and b.
-  read_w_u = [] if form_w_u else list(zip(w_u_refs, (w_s, u_s)))
+  w_ref, u_ref = w_u_refs or (None, None)
   compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  *((w_ref.at[bi, tokens, h], x_s)
-                    for w_ref, x_s in read_w_u[:1]),
+                  *(() if form_w_u else ((w_ref.at[bi, tokens, h], w_s),)),
                   (t_ref.at[bi, h, tokens], t_s),
                   (dkout_ref.at[bi, tokens, h], dkout_s),
                   (g_ref.at[bi, h, tokens], g_rows),
@@ -95,8 +94,8 @@ def _body(mg, *refs, groups, form_w_u):
   def load_block(j):
     cols = pl.ds(j * BV, BV)
     compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
-                    *((u_ref.at[bi, tokens, h, cols], x_s)
-                      for u_ref, x_s in read_w_u[1:]),
+                    *(() if form_w_u
+                      else ((u_ref.at[bi, tokens, h, cols], u_s),)),
                     (dd_ref.at[bi, tokens, h, cols], dd_s),
                     (delta_ref.at[bi, tokens, h, cols], delta_s),
                     (s_ref.at[bi, h, n, :, cols], s_s),
