@@ -1,7 +1,7 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
     python benchmarks/benchmark.py [--gate gdn|kda|gdn2] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
-        [--reps 20] [--impls scan chunked pallas mosaic mosaic/8] [--out DIR]
+        [--reps 20] [--impls scan chunked pallas mosaic mosaic:ws mosaic/8] [--out DIR]
 
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
@@ -15,7 +15,9 @@ jla and fla, and writes
 ``results.md`` and ``time_vs_t.png`` (time against T, log scale) into
 ``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
 An ``--impls`` entry ``"<impl>/<n>"`` times that implementation with T cut
-into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``).
+into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
+``"mosaic:ws"`` and the other names of :data:`MOSAIC_VARIANTS` time
+``impl="mosaic"`` with options that are not its defaults.
 """
 
 from __future__ import annotations
@@ -110,10 +112,39 @@ def time_jax(attention, inputs, reps):
           memory.temp_size_in_bytes / 2 ** 20)
 
 
+# Options of mosaic.gated_delta_mosaic by name, for the per-head gate (T a
+# multiple of 64, K, V <= 128): the defaults' alternatives, timed side by side.
+MOSAIC_VARIANTS = {
+    "mosaic:inv=mosaic": dict(inverse="mosaic"),
+    "mosaic:bwd=pallas": dict(backward=()),
+    **{f"mosaic:bwd={name}": dict(backward=(name,))
+       for name in mosaic.BACKWARD},
+    "mosaic:read_w_u": dict(form_w_u=False),
+    "mosaic:wide": dict(narrow_dk=False),
+    "mosaic:ws": dict(schedule="specialized"),
+    "mosaic:st": dict(schedule="transposed"),
+}
+
+
+def mosaic_variant(name, q, k, v, a, b, initial_state):
+  """``(o, final state)`` of :data:`MOSAIC_VARIANTS`'s ``name`` (``a``:
+  ``[B, T, HV]``)."""
+  return mosaic.gated_delta_mosaic(
+      q, k, v, a[..., None], b, initial_state, None, None,
+      scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK,
+      **MOSAIC_VARIANTS[name])
+
+
 def deltajax_attention(impl, gate="gdn"):
-  """``(q, k, v, a, b) -> o`` of deltajax's ``impl``; ``"<impl>/<n>"``:
-  that implementation with T cut into n pieces run side by side
-  (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
+  """``(q, k, v, a, b) -> o`` of deltajax's ``impl``: a name of the
+  registry, of :data:`MOSAIC_VARIANTS` (Gated DeltaNet), or
+  ``"<impl>/<n>"``, that implementation with T cut into n pieces run side
+  by side (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
+  if impl in MOSAIC_VARIANTS:
+    def attention(q, k, v, a, b):
+      s0 = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]))
+      return mosaic_variant(impl, q, k, v, a, b, s0)[0]
+    return attention
   impl, _, pieces = impl.partition("/")
   if pieces:
     def attention(q, k, v, a, b):
@@ -236,8 +267,9 @@ def implementations_for(shape, only=None, gate="gdn"):
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
-  in_pieces = [i for i in only or () if "/" in i]  # e.g. "mosaic/8"
-  return [i for i in impls if only is None or i in only] + in_pieces
+  # e.g. "mosaic/8", "mosaic:ws"
+  named = [i for i in only or () if "/" in i or i in MOSAIC_VARIANTS]
+  return [i for i in impls if only is None or i in only] + named
 
 
 def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",

@@ -1,6 +1,6 @@
 """impl="mosaic" on the H200: checked against "chunked", timed against "pallas".
 
-    python -m benchmarks.mosaic_check [--variants "mosaic inv=mosaic" ...]
+    python -m benchmarks.mosaic_check [--variants mosaic:inv=mosaic ...]
 
 (a) Correctness: the forward (o and the final state) of impl="mosaic"
 against impl="chunked" (float32, HIGHEST products) on the same rounded
@@ -10,17 +10,17 @@ and grouped value heads; then one forward+backward's gradients. Prints max
 abs and relative RMS errors (fla's tolerance: 0.005 for o and the state,
 0.008 for dq, dk, dv, dh0, 0.02 for da, db). (b) Speed: forward and
 forward+backward of "mosaic" and "pallas" on benchmark.py's inputs (bf16)
-and timing (:func:`benchmark.median_ms`). "mosaic inv=mosaic" takes the
-Mosaic GPU UT inverse, "mosaic form_w_u" has ut_backward form W and U
-itself, "mosaic narrow" hands the output's shares of dDelta and dk on in
-bf16 (``narrow_shares=True``), "mosaic bwd=..." is "mosaic" with the
-backward's Mosaic GPU kernels limited to those named
+and timing (:func:`benchmark.median_ms`). "mosaic:inv=mosaic" takes the
+Mosaic GPU UT inverse, "mosaic:read_w_u" has ut_backward read W and U
+from ut.w_u (``form_w_u=False``), "mosaic:wide" hands the output's share
+of dk on in float32 (``narrow_dk=False``), "mosaic:bwd=..."
+is "mosaic" with the backward's Mosaic GPU kernels limited to those named
 (``gated_delta_mosaic(..., backward=...)``; "pallas": none), to time each
-against its Pallas counterpart. "mosaic ws" is the same with the scan on
-three warpgroups (``gated_delta_mosaic(..., specialized=True)``, not yet the
-default); its cases run last, so that a hang there (a barrier protocol that
-the interpreter passed but the GPU does not) leaves every other line
-printed. Every case catches its own exception and prints its first 300
+against its Pallas counterpart. "mosaic:ws" and "mosaic:st" are the same
+with the scan's other schedules (three warpgroups; the transposed state:
+``gated_delta_mosaic(..., schedule=...)``, not yet the default); their
+forward checks run last, so that a hang there (a barrier protocol that the
+interpreter passed but the GPU does not) leaves every other line printed. Every case catches its own exception and prints its first 300
 characters. About six minutes on the H200 with every variant (run L):
 ``--variants`` picks some.
 """
@@ -36,26 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import deltajax
-from benchmarks.benchmark import make_inputs, median_ms
-from deltajax import mosaic
+from benchmarks.benchmark import MOSAIC_VARIANTS as VARIANTS
+from benchmarks.benchmark import make_inputs, median_ms, mosaic_variant
 
 # (B, T, H, HV, K, V)
 CHECKS = [(2, 256, 2, 2, 64, 64), (2, 1000, 2, 2, 128, 128),
           (1, 100, 2, 4, 100, 60), (2, 4096, 4, 4, 128, 128)]
 TIMED = [(4, 4096, 16, 128), (8, 1024, 8, 64)]
-# Options of gated_delta_mosaic by name (T a multiple of 64, K, V <= 128).
-VARIANTS = {
-    "mosaic inv=mosaic": dict(inverse="mosaic"),
-    "mosaic bwd=pallas": dict(backward=()),
-    **{f"mosaic bwd={name}": dict(backward=(name,))
-       for name in mosaic.BACKWARD},
-    "mosaic form_w_u": dict(form_w_u=True),
-    "mosaic narrow": dict(narrow_shares=True),
-    "mosaic form_w_u narrow": dict(form_w_u=True, narrow_shares=True),
-    "mosaic ws": dict(specialized=True),
-}
-
-
 def _errors(got, ref):
   got, ref = (np.asarray(x, np.float64) for x in (got, ref))
   return (float(np.max(np.abs(got - ref))),
@@ -80,9 +67,7 @@ def _call(impl, q, k, v, a, b, s0):
   """``(o, final state)`` of ``impl``, or of the contract function with the
   options of :data:`VARIANTS`."""
   if impl in VARIANTS:
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=64, **VARIANTS[impl])
+    return mosaic_variant(impl, q, k, v, a, b, s0)
   return deltajax.gated_delta(q, k, v, a, b, initial_state=s0, impl=impl,
                               return_final_state=True)
 
@@ -173,13 +158,13 @@ def main():
   args = parser.parse_args()
   print(f"JAX {jax.__version__}, {jax.devices()}")
   _checks_and_times("mosaic", CHECKS, (2, 1000, 2, 2, 128, 128))
+  scans = ("mosaic:ws", "mosaic:st")
   for impl in args.variants:  # e.g. the backward's kernels one by one
-    if impl != "mosaic ws":
+    if impl not in scans:
       _checks_and_times(impl, [], (2, 1024, 2, 2, 128, 128))
-  if "mosaic ws" in args.variants:
-    # The three-warpgroup scan: T a multiple of 64, K, V in {64, 128}.
-    _checks_and_times("mosaic ws", [c for c in CHECKS if c[1] % 64 == 0
-                                    and c[4] % 64 == 0 and c[5] % 64 == 0],
+  for impl in [i for i in scans if i in args.variants]:
+    # The other scan schedules, called directly: T a multiple of 64.
+    _checks_and_times(impl, [c for c in CHECKS if c[1] % 64 == 0],
                       (2, 1024, 2, 2, 128, 128))
 
 

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 WGMMA = plgpu.Layout.WGMMA
+WGMMA_TRANSPOSED = plgpu.Layout.WGMMA_TRANSPOSED
 ROWS = WGMMA.reduce(1)  # one value per row of a WGMMA tile
 COLS = WGMMA.reduce(0)  # one value per column
 
@@ -109,10 +110,26 @@ class Mosaic:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
   def load(self, ref, layout):
-    """The whole ``ref`` in ``layout`` (ROWS, COLS or WGMMA)."""
+    """The whole ``ref`` (or :class:`T`: transposed) in ``layout`` (ROWS,
+    COLS or WGMMA)."""
     if self.interpret:
-      return ref[...]
+      return ref.ref[...].T if isinstance(ref, T) else ref[...]
+    if isinstance(ref, T):
+      # A swizzled tile is read transposed in the transposed WGMMA layout
+      # only; from there to WGMMA is a shuffle within the registers.
+      return plgpu.layout_cast(plgpu.load(
+          plgpu.transpose_ref(ref.ref, (1, 0)), (), layout=WGMMA_TRANSPOSED),
+                               layout)
     return plgpu.load(ref, (), layout=layout)
+
+  def store_transposed(self, ref, x):
+    """``ref[...] = x.T`` for a 2-d shared memory ``ref`` and a WGMMA-layout
+    ``x`` (through the transposed WGMMA layout, as :meth:`load`)."""
+    if self.interpret:
+      ref[...] = x.T
+    else:
+      plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(
+          x, WGMMA_TRANSPOSED)
 
   def mm(self, pairs, shape, init=None):
     """``init + sum(a @ b for a, b in pairs)``, ``[M, N]`` float32: one

@@ -4,8 +4,7 @@ Forward: the UT inverse (parallel over chunks; the Pallas kernel
 :func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
 :func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
 one) -> :func:`scan.forward` (the state scan and the output fused,
-sequential over chunks; on one warpgroup, or with ``specialized=True`` on
-three). The products run on the tensor cores with 16-bit operands, so q, k
+sequential over chunks, in one of :data:`scan.SCHEDULES`). The products run on the tensor cores with 16-bit operands, so q, k
 and v must be 16-bit (the registry refuses float32 and float64 ones:
 ``wide=False``); gates, beta, the state and every accumulation are float32.
 
@@ -79,9 +78,9 @@ INVERSES = ("pallas", "mosaic")
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
-                       scale, chunk_size, specialized=False,
+                       scale, chunk_size, schedule="one",
                        inverse="pallas", backward=BACKWARD,
-                       form_w_u=False, narrow_shares=False):
+                       form_w_u=None, narrow_dk=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -93,9 +92,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     cut, chunk_seq: must be None (no packed sequences).
     scale: Python float multiplying q.
     chunk_size: 64.
-    specialized: the scan on three warpgroups (state, output, TMA) instead
-      of one (:func:`scan.forward`); not the default until timed on the
-      H200 (benchmarks/mosaic_check.py).
+    schedule: the scan's (:data:`scan.SCHEDULES`): "one" warpgroup (the
+      one timed), "transposed" (one, carrying the transposed state) or
+      "specialized" (three: state, output, TMA); the other two have not yet
+      run on the H200 (benchmarks/benchmark.py --impls mosaic:st
+      mosaic:ws times them).
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
       the H200, RESULTS run L) or :func:`ut.inverse`.
@@ -108,13 +109,16 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     form_w_u: the backward through the UT transform forms W and U chunk by
       chunk instead of reading them, and :func:`ut.w_u` forms only W (for
       the reverse pass): U's round trip through HBM and W's second read
-      saved, for two more products per chunk. Needs "w_u" and "ut" in
-      ``backward``; not the default until timed on the H200.
-    narrow_shares: the output's backward hands its shares of dDelta and dk
-      to the reverse pass and ut_backward in q's 16-bit dtype instead of
-      float32 (half their HBM traffic, one more rounding each). Needs
-      "output", "reverse" and "ut" in ``backward``; not the default until
-      timed on the H200.
+      saved, for two more products per chunk. True needs "w_u" and "ut" in
+      ``backward``; None (the default) means True where they are (3 % off
+      forward+backward at (4, 4096, 16, 128) on the H200, RESULTS run M).
+    narrow_dk: the output's backward hands its share of dk to ut_backward
+      in q's 16-bit dtype instead of float32 (half its HBM traffic, one more
+      rounding). True needs "output" and "ut" in ``backward``; None (the
+      default) means True where they are. (Its share of dDelta stays
+      float32: in bf16 it took da from 4.7e-2 to 5.4e-2 relative RMS at
+      strong gates, tests/test_mosaic.py; the two narrowed together took 4 %
+      off forward+backward at (4, 4096, 16, 128), RESULTS run M.)
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -135,24 +139,35 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
+  if schedule not in scan.SCHEDULES:
+    raise ValueError(f"schedule: {schedule!r} is not one of "
+                     f"{scan.SCHEDULES}")
   if inverse not in INVERSES:
     raise ValueError(f"inverse: {inverse!r} is not one of {INVERSES}")
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
-  for name, option, needs in (
-      ("form_w_u", form_w_u, ("w_u", "ut")),
-      ("narrow_shares", narrow_shares, ("output", "reverse", "ut"))):
-    if option and not set(needs) <= set(backward):
-      raise ValueError(f"{name} needs {needs} in backward; got "
-                       f"{tuple(backward)}")
-  o, final = _mosaic(float(scale), (specialized, inverse),
-                     (tuple(backward), form_w_u, narrow_shares),
+  form_w_u, narrow_dk = (
+      _option(name, option, needs, backward) for name, option, needs in (
+          ("form_w_u", form_w_u, ("w_u", "ut")),
+          ("narrow_dk", narrow_dk, ("output", "ut"))))
+  o, final = _mosaic(float(scale), (schedule, inverse),
+                     (tuple(backward), form_w_u, narrow_dk),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
   return o.astype(v.dtype), final.astype(initial_state.dtype)
+
+
+def _option(name, value, needs, backward):
+  """A backward option that ``needs`` these Mosaic kernels: None means on
+  where they are in ``backward``; True without them is refused."""
+  present = set(needs) <= set(backward)
+  if value and not present:
+    raise ValueError(f"{name} needs {needs} in backward; got "
+                     f"{tuple(backward)}")
+  return present if value is None else bool(value)
 
 
 def _width(d):
@@ -177,8 +192,8 @@ def _inverse(mg, kind, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
-  specialized, inverse = schedule
+def _forward(plan, scale, q, k, v, a, b, initial_state, save):
+  schedule, inverse = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
@@ -188,7 +203,7 @@ def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
   t = _inverse(mg, inverse, k, g, beta, v.shape[2])
   o, final, *saved = scan.forward(mg, q, k, vp, t, g, beta, s0, scale=scale,
-                                  save=save, specialized=specialized)
+                                  save=save, schedule=schedule)
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
     return outputs, None
@@ -199,19 +214,19 @@ def _forward(schedule, scale, q, k, v, a, b, initial_state, save):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mosaic(scale, schedule, backward, q, k, v, a, b, initial_state):
+def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
-  initial state; scale, the forward's ``schedule`` (specialized, inverse)
-  and ``backward`` (its Mosaic kernels, form_w_u, narrow_shares) are
+  initial state; scale, the forward's ``plan`` (the scan's schedule, the
+  inverse) and ``backward`` (its Mosaic kernels, form_w_u, narrow_dk) are
   static."""
   del backward
-  return _forward(schedule, scale, q, k, v, a, b, initial_state,
+  return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
 
 
-def _fwd(scale, schedule, backward, q, k, v, a, b, initial_state):
+def _fwd(scale, plan, backward, q, k, v, a, b, initial_state):
   del backward
-  outputs, saved = _forward(schedule, scale, q, k, v, a, b, initial_state,
+  outputs, saved = _forward(plan, scale, q, k, v, a, b, initial_state,
                             save=True)
   return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
 
@@ -230,22 +245,23 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(form_w_u, narrow_shares):
+def _kernel_options(form_w_u, narrow_dk):
   """The Mosaic backward kernels' options, by name: with ``form_w_u``, W
   alone from ut.w_u and neither W nor U into ut_backward; with
-  ``narrow_shares``, 16-bit shares from the output's backward. (The kernels
-  that an option couples fall back to Pallas at the same head dims.)"""
+  ``narrow_dk``, a 16-bit share of dk from the output's backward. (The
+  kernels that an option couples fall back to Pallas at the same head
+  dims.)"""
   options = {name: {} for name in BACKWARD}
   if form_w_u:
     options["w_u"]["values"] = False
     options["ut"].update(w=None, u=None)
-  if narrow_shares:
-    options["output"]["narrow"] = True
+  if narrow_dk:
+    options["output"]["narrow_dk"] = True
   return options
 
 
-def _bwd(scale, schedule, backward, residuals, cotangents):
-  del schedule  # the forward's only
+def _bwd(scale, plan, backward, residuals, cotangents):
+  del plan  # the forward's only
   names, *flags = backward
   options = _kernel_options(*flags)
   config = pallas_core.KernelConfig().resolve()

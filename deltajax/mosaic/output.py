@@ -87,7 +87,7 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
 
 
 def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
-                    narrow=False):
+                    narrow_dk=False):
   """The output's cotangents, chunk by chunk.
 
   Args:
@@ -97,31 +97,31 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
       V in {64, 128}, T a multiple of 64.
     g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
     scale: Python float multiplying q.
-    narrow: d_delta and dk in q's 16-bit dtype (for the Mosaic GPU reverse
-      pass and ut_backward, which take either), not float32.
+    narrow_dk: dk in q's 16-bit dtype (for the Mosaic GPU ut_backward,
+      which takes either), not float32.
 
   Returns:
     ``(dq [B, T, HV, K], dg [B, HV, T], d_delta [B, T, HV, V], dk [B, T, HV,
     K])`` as :func:`deltajax.pallas.output.output_backward`'s: dq in q's
     dtype without grouped value heads, else float32 (for the sum over the
-    group); dg float32, d_delta and dk float32 unless ``narrow``.
+    group); dg and d_delta float32, dk float32 unless ``narrow_dk``.
   """
   bsz, t_len, h, dk = q.shape
   heads, dv = d_o.shape[2:]
   dtype, f32 = q.dtype, jnp.float32
   dq_dtype = dtype if heads == h else f32
-  shares = dtype if narrow else f32
+  dk_dtype = dtype if narrow_dk else f32
   per_head = (bsz, t_len, heads, dk)
   out_type = [jax.ShapeDtypeStruct(per_head, dq_dtype),
               jax.ShapeDtypeStruct(g.shape, f32),
-              jax.ShapeDtypeStruct(d_o.shape, shares),
-              jax.ShapeDtypeStruct(per_head, shares)]
+              jax.ShapeDtypeStruct(d_o.shape, f32),
+              jax.ShapeDtypeStruct(per_head, dk_dtype)]
   vec = plgpu.SMEM((C,), f32)
   keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
   square = compat.smem((C, C), dtype)
   scratch = [keys, keys, vec, vec, compat.smem((dk, dv), dtype), vals, vals,
              square, square, compat.smem((C, dk), dq_dtype),
-             compat.smem((C, dk), shares), compat.smem((C, dv), shares), vec,
+             compat.smem((C, dk), dk_dtype), compat.smem((C, dv), f32), vec,
              plgpu.Barrier(num_arrivals=_INPUTS)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
   return mg.kernel(body, out_type=out_type, scratch_types=scratch,

@@ -44,7 +44,7 @@ class _Shared(NamedTuple):
   w: object       # [SLOTS, C, K]
   g: object       # [SLOTS, C] float32
   d_o: object     # [SLOTS, C, BV]
-  dd: object      # [SLOTS, C, BV] dDelta_local (float32 or 16-bit)
+  dd: object      # [SLOTS, C, BV] float32 dDelta_local
   ds: object      # [K, BV] dS's 16-bit copy
   read: object    # [C, BV] scale e^g * dO
   neg: object     # [C, BV] -dDelta
@@ -91,7 +91,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
-    d_delta = (mg.load(sh.dd.at[slot], WGMMA).astype(jnp.float32)
+    d_delta = (mg.load(sh.dd.at[slot], WGMMA)
                + compat.rows(jnp.exp(g_end - g), tile) * kds)
     sh.out[...] = d_delta.astype(sh.out.dtype)
     sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
@@ -121,8 +121,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
       one 16-bit dtype; K in {64, 128}, V a multiple of 64, T a multiple of
       64.
     g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
-    d_delta_local: ``[B, T, HV, V]`` float32 or k's dtype, the output's
-      share of dDelta.
+    d_delta_local: ``[B, T, HV, V]`` float32, the output's share of dDelta.
     d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
     scale: Python float multiplying q.
 
@@ -141,7 +140,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
   tile = compat.smem((C, BV), dtype)
   scratch = [keys, keys, keys, plgpu.SMEM((SLOTS, C), jnp.float32),
              compat.smem((SLOTS, C, BV), dtype),
-             compat.smem((SLOTS, C, BV), d_delta_local.dtype),
+             compat.smem((SLOTS, C, BV), jnp.float32),
              compat.smem((dk, BV), dtype), tile, tile, tile,
              compat.smem((dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),

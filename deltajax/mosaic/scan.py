@@ -17,15 +17,21 @@ with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
 falls within the chunk; above the diagonal the difference is masked to
 ``-inf`` before ``exp``, seed section 4.1).
 
-Two schedules of the same steps (``specialized``):
+Three schedules of the same steps (:data:`SCHEDULES`):
 
-* one warpgroup does everything, in order; TMA brings the next chunk's q, k,
-  v, T, gate and beta into the other of two shared-memory slots meanwhile;
-* three warpgroups: WG2 streams the chunks' tiles through two slots, WG0
-  carries the state (only ``K S``, ``T Y`` and the update are on the
-  sequential path) and publishes S's bf16 copy and Delta in shared memory,
-  WG1 forms the scores and the output from them, one chunk behind WG0 at
-  most.
+* ``"one"``: one warpgroup does everything, in order; TMA brings the next
+  chunk's q, k, v, T, gate and beta into the other of two shared-memory
+  slots meanwhile;
+* ``"transposed"``: one warpgroup as ``"one"``, carrying ``S^T [BV, K]``
+  instead, so that every product on the sequential path takes its left
+  operand from registers (``S^T K^T``, ``Y^T T^T``, ``E^T K``) and nothing
+  is staged in shared memory between them; the output is formed transposed
+  too, ``O^T = S^T Q^T diag(scale e^g) + Delta^T P^T``, with P staged;
+* ``"specialized"``: three warpgroups: WG2 streams the chunks' tiles through
+  two slots, WG0 carries ``S^T`` as ``"transposed"`` does (only ``K S``,
+  ``T Y`` and the update are on the sequential path) and publishes S's bf16
+  copy and Delta in shared memory, WG1 forms the scores and the output from
+  them, one chunk behind WG0 at most.
 
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
@@ -46,9 +52,10 @@ from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 
 C = 64
-BV = 64  # value columns per CTA
+BV = 64  # value columns per CTA (= C: "transposed" stages P in [C, BV] tiles)
 SLOTS = 2  # chunks of input tiles in flight
 _INPUTS = 7  # TMA copies per chunk: q, k, v, T, the gate twice, beta
+SCHEDULES = ("one", "transposed", "specialized")
 
 
 class _Shared(NamedTuple):
@@ -61,10 +68,10 @@ class _Shared(NamedTuple):
   g_cols: object  # [SLOTS, C] float32, read per column
   beta: object    # [SLOTS, C] float32
   s: object       # [K, BV] S's 16-bit copy
-  y: object       # [C, BV] diag(b) (V - (K e^g) S)
+  y: object       # [C, BV] diag(b) (V - (K e^g) S) ("transposed": P)
   d_hi: object    # [C, BV] Delta, and the rest of it
   d_lo: object
-  e: object       # [C, BV] e^{g_C - g} Delta
+  e: object       # [C, BV] e^{g_C - g} Delta ("transposed": P's rest)
   o: object       # [C, BV] the output tile
   f: object       # [K, BV] float32: the initial, then the final state
   loaded: object  # SLOTS barriers: a slot's tiles arrived
@@ -131,16 +138,54 @@ class _Chunk(NamedTuple):
     return ([(qg, sh.s), (p_hi, sh.d_hi), (p_lo, sh.d_hi),
              (p_hi, sh.d_lo)], (C, BV), None)
 
-  def store_output(self, o, o_ref, at):
-    """``o`` to HBM through ``sh.o`` (after the previous tile left)."""
+  def delta_transposed(self, ks_t):
+    """``Delta^T = Y^T T^T`` from ``(K S)^T`` (float32 ``[BV, C]``), with
+    ``Y^T = (V^T - (K S)^T e^g) diag(b)``: the transposed schedule's, every
+    operand but T in registers."""
+    mg, sh, slot = self.mg, self.sh, self.slot
+    tile = (BV, C)
+    cols = lambda x: lax.broadcast_in_dim(x, tile, [1])
+    g_col = mg.load(sh.g_cols.at[slot], COLS)
+    v_t = mg.load(compat.T(sh.v.at[slot]), WGMMA).astype(jnp.float32)
+    beta = mg.load(sh.beta.at[slot], COLS)
+    y_t = (cols(beta) * (v_t - cols(jnp.exp(g_col)) * ks_t)).astype(
+        sh.y.dtype)
+    return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
+
+  def publish_transposed(self, s_lo, d_hi, d_lo):
+    """S's 16-bit copy and Delta's halves in ``sh.s``, ``sh.d_hi``,
+    ``sh.d_lo`` (those not None), from ``S^T`` and Delta^T's halves; commits
+    every shared memory store so far."""
+    for ref, x in ((self.sh.s, s_lo), (self.sh.d_hi, d_hi),
+                   (self.sh.d_lo, d_lo)):
+      if x is not None:
+        self.mg.store_transposed(ref, x)
+    plgpu.commit_smem()
+
+  def update_transposed(self, s_t, delta_t):
+    """The product of ``S^T <- e^{g_C} S^T + (Delta^T e^{g_C - g}) K``."""
+    mg, sh, slot = self.mg, self.sh, self.slot
+    g_col, g_end = mg.load(sh.g_cols.at[slot], COLS), self.gates()[1]
+    e_t = delta_t * lax.broadcast_in_dim(jnp.exp(g_end - g_col),
+                                         delta_t.shape, [1])
+    return ([(e_t.astype(sh.s.dtype), sh.k.at[slot])], s_t.shape,
+            jnp.exp(g_end) * s_t)
+
+  def store_output(self, o, o_ref, at, transposed=False):
+    """``o`` (or ``o^T``) to HBM through ``sh.o`` (after the previous tile
+    left)."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    self.sh.o[...] = o.astype(self.sh.o.dtype)
+    o = o.astype(self.sh.o.dtype)
+    if transposed:
+      self.mg.store_transposed(self.sh.o, o)
+    else:
+      self.sh.o[...] = o
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(self.sh.o, o_ref.at[at])
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, specialized):
+          scale, save, schedule):
   o_ref, final_ref, *refs = refs
   states_ref, delta_ref = refs[:2] if save else (None, None)
   refs = refs[2:] if save else refs
@@ -164,8 +209,13 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   def chunk(n):
     return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds(n * C, C))
 
+  transposed = schedule != "one"  # carrying S^T
+  # This CTA's columns of the state (rows of the transposed one).
+  state_at = lambda ref: ref.at[bi, h, cols] if transposed else ref.at[
+      bi, h, :, cols]
+
   def initial_state():
-    plgpu.copy_gmem_to_smem(s0_ref.at[bi, h, :, cols], sh.f, sh.s0)
+    plgpu.copy_gmem_to_smem(state_at(s0_ref), sh.f, sh.s0)
     plgpu.barrier_wait(sh.s0)
     return mg.load(sh.f, WGMMA)
 
@@ -183,10 +233,45 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     sh.f[...] = s
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.f, final_ref.at[bi, h, :, cols])
+    plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref))
     plgpu.wait_smem_to_gmem(0)
 
-  if not specialized:
+  if schedule == "transposed":
+    def transposed_step(n, s_t):
+      x = chunk(n)
+      plgpu.barrier_wait(sh.loaded.at[x.slot])
+
+      @pl.when(n + 1 < n_chunks)
+      def _prefetch():  # the other slot's last reader (chunk n - 1) is done
+        issue(n + 1, 1 - x.slot)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores
+      s_lo, k_t = s_t.astype(sh.s.dtype), compat.T(sh.k.at[x.slot])
+      ks_t, qs_t, qk = mg.products([
+          ([(s_lo, k_t)], (BV, C), None),
+          ([(s_lo, compat.T(sh.q.at[x.slot]))], (BV, C), None),
+          ([(sh.q.at[x.slot], k_t)], (C, C), None)])
+      delta_t = x.delta_transposed(ks_t)
+      d_hi, d_lo = ut.halves(delta_t, sh.s.dtype)
+      # P's halves in y and e, read transposed: (P Delta)^T = Delta^T P^T.
+      sh.y[...], sh.e[...] = x.scores(qk, scale)
+      x.publish_transposed(*((s_lo, d_hi) if save else (None, None)), None)
+      save_chunk(n, x)
+      p_hi, p_lo = compat.T(sh.y), compat.T(sh.e)
+      s_t, pd = mg.products([
+          x.update_transposed(s_t, delta_t),
+          ([(d_hi, p_hi), (d_lo, p_hi), (d_hi, p_lo)], (BV, C), None)])
+      g_col = mg.load(sh.g_cols.at[x.slot], COLS)
+      o_t = pd + lax.broadcast_in_dim(scale * jnp.exp(g_col), pd.shape,
+                                      [1]) * qs_t
+      x.store_output(o_t, o_ref, (bi, x.tokens, h, cols), transposed=True)
+      return s_t
+
+    issue(0, 0)
+    final_state(lax.fori_loop(0, n_chunks, transposed_step, initial_state()))
+    return
+
+  if schedule == "one":
     def step(n, s):
       x = chunk(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
@@ -233,21 +318,23 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   def _state():
     mg.set_max_registers(232, action="increase")
 
-    def step(n, s):
+    def step(n, s_t):
       x = chunk(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
+      s_lo = s_t.astype(sh.s.dtype)
+      (ks_t,) = mg.products([([(s_lo, compat.T(sh.k.at[x.slot]))], (BV, C),
+                              None)])
+      delta_t = x.delta_transposed(ks_t)
 
       @pl.when(n > 0)
       def _():  # WG1 is done with chunk n - 1's S and Delta
         plgpu.barrier_wait(s_free)
 
-      publish_state(s)
-      (ks,) = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None)])
-      x.delta(ks)
+      x.publish_transposed(s_lo, *ut.halves(delta_t, sh.s.dtype))
       plgpu.barrier_arrive(s_ready)
-      (s,) = x.update(s)
+      (s_t,) = mg.products([x.update_transposed(s_t, delta_t)])
       plgpu.barrier_arrive(free.at[x.slot])
-      return s
+      return s_t
 
     s = lax.fori_loop(0, n_chunks, step, initial_state())
     plgpu.barrier_wait(s_free)  # WG1's release of the last chunk
@@ -281,7 +368,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            specialized=False):
+            schedule="one"):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -293,16 +380,21 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
     initial_state: ``[B, HV, K, V]`` float32.
     scale: Python float multiplying q.
     save: also return the chunk-entry states and Delta.
-    specialized: three warpgroups (state, output, TMA) instead of one.
+    schedule: one of :data:`SCHEDULES`.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32)``,
     then with ``save`` ``states [B, HV, T / C, K, V]`` and ``delta [B, T,
     HV, V]`` in v's dtype.
   """
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
   dtype = v.dtype
+  transposed = schedule != "one"
+  if transposed:  # the kernel carries S^T: [B, HV, V, K] in and out
+    initial_state = jnp.swapaxes(initial_state, 2, 3)
   out_type = [jax.ShapeDtypeStruct(v.shape, dtype),
               jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
   if save:
@@ -315,18 +407,20 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
              compat.smem((SLOTS, C, BV), dtype),
              compat.smem((SLOTS, C, C), dtype), vec, vec, vec,
              compat.smem((dk, BV), dtype), tile, tile, tile, tile, tile,
-             compat.smem((dk, BV), jnp.float32),
+             compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
   threads = {}
-  if specialized:
+  if schedule == "specialized":
     scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
                 plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
                 plgpu.Barrier(num_arrivals=3)]
     threads = dict(num_threads=3, thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             save=save, specialized=specialized)
-  return mg.kernel(body, out_type=out_type, scratch_types=scratch,
-                   grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
-                   kernel_name="deltajax_mosaic_scan", **threads,
-                   )(q, k, v, t, g, b, initial_state)
+                             save=save, schedule=schedule)
+  o, final, *saved = mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+      kernel_name="deltajax_mosaic_scan", **threads,
+  )(q, k, v, t, g, b, initial_state)
+  return o, jnp.swapaxes(final, 2, 3) if transposed else final, *saved
