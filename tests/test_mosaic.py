@@ -269,7 +269,8 @@ def test_kernels_lower_for_the_gpu(schedule):
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
   states, the backward's kernels (with and without form_w_u and
-  narrow_dk), the last of them under vmap too."""
+  narrow_dk; the reverse pass as the schedule takes it), the last of them
+  under vmap too."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -296,7 +297,9 @@ def test_kernels_lower_for_the_gpu(schedule):
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128, dtype=dtype), vec))
         for w_u, dtype in ((True, jnp.float32), (False, jnp.bfloat16))),
-      (lambda *x: reverse.backward(mg, *x, scale=0.1),
+      # The reverse pass carrying dS^T with the transposed scans.
+      (lambda *x: reverse.backward(mg, *x, scale=0.1,
+                                   transposed=schedule != "one"),
        (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
         shape(1, 128, 2, 128, dtype=jnp.float32),
         shape(1, 2, 128, 128, dtype=jnp.float32)))]:

@@ -136,18 +136,23 @@ class Mosaic:
     product of :meth:`products`."""
     return self.products([(pairs, shape, init)])[0]
 
-  def products(self, products):
+  def products(self, products, meanwhile=lambda: None):
     """Several ``init + sum(a @ b for a, b in pairs)`` (``products``: a list
     of ``(pairs, shape, init or None)``), float32, issued together on the
-    tensor cores and waited for once. Each ``a`` is a 16-bit value in the
+    tensor cores and waited for once; ``meanwhile()`` runs between the two
+    (it must not write their operands). Each ``a`` is a 16-bit value in the
     WGMMA layout or a shared memory ref, each ``b`` a shared memory ref;
     either may be :class:`T` (read transposed). The results pass an
     optimization barrier, so that no use of them is scheduled before the
     wgmma wait (jla's note: the wait carries no data dependency)."""
     if self.interpret:  # a value or a ref: x[...] is either's value
-      value = lambda x: x.ref[...].T if isinstance(x, T) else x[...]
+      meanwhile()
+      # 16-bit operands widen exactly; their products are exact in float32
+      # (XLA's CPU runtime lacks some 16-bit dots with float32 results).
+      value = lambda x: (x.ref[...].T if isinstance(x, T) else x[...]
+                         ).astype(jnp.float32)
       return tuple(
-          sum((jnp.dot(value(a), value(b), preferred_element_type=jnp.float32)
+          sum((jnp.dot(value(a), value(b), precision=lax.Precision.HIGHEST)
                for a, b in pairs),
               jnp.zeros(shape, jnp.float32) if init is None else init)
           for pairs, shape, init in products)
@@ -158,6 +163,7 @@ class Mosaic:
       for acc, (pairs, _, _) in zip(accs, products):
         for a, b in pairs:
           plgpu.wgmma(acc, ref(a), ref(b))
+      meanwhile()
 
     if len(products) == 1 and products[0][2] is None:
       def scoped(acc):

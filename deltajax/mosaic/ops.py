@@ -94,9 +94,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     chunk_size: 64.
     schedule: the scan's (:data:`scan.SCHEDULES`): "one" warpgroup (the
       one timed), "transposed" (one, carrying the transposed state) or
-      "specialized" (three: state, output, TMA); the other two have not yet
-      run on the H200 (benchmarks/benchmark.py --impls mosaic:st
-      mosaic:ws times them).
+      "specialized" (three: state, output, TMA); with either of the last
+      two the backward's reverse pass carries the transposed state too.
+      They have not yet run on the H200 (benchmarks/benchmark.py --impls
+      mosaic:st mosaic:ws times them).
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
       the H200, RESULTS run L) or :func:`ut.inverse`.
@@ -245,13 +246,15 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(form_w_u, narrow_dk):
-  """The Mosaic backward kernels' options, by name: with ``form_w_u``, W
-  alone from ut.w_u and neither W nor U into ut_backward; with
-  ``narrow_dk``, a 16-bit share of dk from the output's backward. (The
+def _kernel_options(schedule, form_w_u, narrow_dk):
+  """The Mosaic backward kernels' options, by name: the reverse pass
+  carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; with
+  ``form_w_u``, W alone from ut.w_u and neither W nor U into ut_backward;
+  with ``narrow_dk``, a 16-bit share of dk from the output's backward. (The
   kernels that an option couples fall back to Pallas at the same head
   dims.)"""
   options = {name: {} for name in BACKWARD}
+  options["reverse"]["transposed"] = schedule != "one"
   if form_w_u:
     options["w_u"]["values"] = False
     options["ut"].update(w=None, u=None)
@@ -261,9 +264,8 @@ def _kernel_options(form_w_u, narrow_dk):
 
 
 def _bwd(scale, plan, backward, residuals, cotangents):
-  del plan  # the forward's only
   names, *flags = backward
-  options = _kernel_options(*flags)
+  options = _kernel_options(plan[0], *flags)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}

@@ -11,8 +11,9 @@ section 3.3; ``g`` the chunk-local cumulative gate)::
   dS    <- e^{g_C} dS + Q^T (scale e^g * dO) - W^T dDelta
 
 as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
-staged in shared memory) and float32 accumulation. Every exponent is ``<=
-0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local into the
+staged in shared memory) and float32 accumulation; or, ``transposed``, on
+``dS^T [BV, K]``, with every left operand in registers (``dS^T K^T``, then
+``(scale e^g dO)^T Q - dDelta^T W``). Every exponent is ``<= 0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local into the
 other of two shared-memory slots meanwhile, and takes each chunk's ``dS``
 and dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes
 them to its products so (the Pallas pass writes dDelta in float32 over
@@ -30,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.mosaic import compat
-from deltajax.mosaic.compat import ROWS, WGMMA
+from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV, C
 
 SLOTS = 2  # chunks of input tiles in flight
@@ -56,7 +57,8 @@ class _Shared(NamedTuple):
 
 
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
-          d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale):
+          d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale,
+          transposed):
   sh = _Shared(*scratch)
   bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
@@ -101,18 +103,59 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
                   (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
                  jnp.exp(g_end) * ds)
 
-  plgpu.copy_gmem_to_smem(dfinal_ref.at[bi, h, :, cols], sh.f, sh.final)
+  def transposed_step(i, ds_t):
+    """``step`` on ``dS^T [BV, K]``: both products take their left operand
+    from registers, and the chunk's stores overlap the second."""
+    n, slot = n_chunks - 1 - i, lax.rem(i, SLOTS)
+    tokens = pl.ds(n * C, C)
+    plgpu.barrier_wait(sh.loaded.at[slot])
+
+    @pl.when(n > 0)
+    def _prefetch():  # the other slot's last reader (chunk n + 1) is done
+      issue(n - 1, 1 - slot)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
+    tile = (BV, C)
+    per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
+    g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
+    ds_lo = ds_t.astype(sh.ds.dtype)
+    (kds_t,) = mg.products([([(ds_lo, compat.T(sh.k.at[slot]))], tile,
+                             None)])
+    d_delta_t = (mg.load(compat.T(sh.dd.at[slot]), WGMMA)
+                 + per_column(jnp.exp(g_end - g)) * kds_t)
+    read_t = per_column(scale * jnp.exp(g)) * mg.load(
+        compat.T(sh.d_o.at[slot]), WGMMA).astype(jnp.float32)
+
+    def stores():
+      mg.store_transposed(sh.ds, ds_lo)
+      mg.store_transposed(sh.out, d_delta_t.astype(sh.out.dtype))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
+      plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
+
+    (ds_t,) = mg.products(
+        [([(read_t.astype(sh.ds.dtype), sh.q.at[slot]),
+           ((-d_delta_t).astype(sh.ds.dtype), sh.w.at[slot])], ds_t.shape,
+          jnp.exp(g_end) * ds_t)], meanwhile=stores)
+    return ds_t
+
+  # This CTA's columns of dS (rows of dS^T, which comes and goes so).
+  state_at = lambda ref: ref.at[bi, h, cols] if transposed else ref.at[
+      bi, h, :, cols]
+  plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
   issue(n_chunks - 1, 0)
   plgpu.barrier_wait(sh.final)
-  ds = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
+  ds = lax.fori_loop(0, n_chunks, transposed_step if transposed else step,
+                     mg.load(sh.f, WGMMA))
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   sh.f[...] = ds
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[bi, h, :, cols])
+  plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
   plgpu.wait_smem_to_gmem(0)
 
 
-def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
+def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
+             transposed=False):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -124,6 +167,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
     d_delta_local: ``[B, T, HV, V]`` float32, the output's share of dDelta.
     d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
     scale: Python float multiplying q.
+    transposed: carry ``dS^T`` (as :mod:`scan`'s "transposed" schedule
+      carries ``S^T``) instead of dS.
 
   Returns:
     ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
@@ -133,6 +178,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
+  if transposed:  # dS^T comes in and goes out: [B, HV, V, K]
+    d_final = jnp.swapaxes(d_final, 2, 3)
   out_type = [jax.ShapeDtypeStruct(d_o.shape, dtype),
               jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
               jax.ShapeDtypeStruct(d_final.shape, jnp.float32)]
@@ -142,11 +189,16 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale):
              compat.smem((SLOTS, C, BV), dtype),
              compat.smem((SLOTS, C, BV), jnp.float32),
              compat.smem((dk, BV), dtype), tile, tile, tile,
-             compat.smem((dk, BV), jnp.float32),
+             compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
-  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
-  return mg.kernel(body, out_type=out_type, scratch_types=scratch,
-                   grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
-                   kernel_name="deltajax_mosaic_reverse",
-                   )(q, k, w, g, d_o, d_delta_local, d_final)
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
+                             transposed=transposed)
+  d_delta, d_next, d_initial = mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+      kernel_name="deltajax_mosaic_reverse",
+  )(q, k, w, g, d_o, d_delta_local, d_final)
+  if transposed:
+    d_initial = jnp.swapaxes(d_initial, 2, 3)
+  return d_delta, d_next, d_initial

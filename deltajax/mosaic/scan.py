@@ -255,12 +255,18 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       d_hi, d_lo = ut.halves(delta_t, sh.s.dtype)
       # P's halves in y and e, read transposed: (P Delta)^T = Delta^T P^T.
       sh.y[...], sh.e[...] = x.scores(qk, scale)
-      x.publish_transposed(*((s_lo, d_hi) if save else (None, None)), None)
-      save_chunk(n, x)
+      plgpu.commit_smem()
+
+      def save_state_and_delta():  # while the products run
+        if save:
+          x.publish_transposed(s_lo, d_hi, None)
+          save_chunk(n, x)
+
       p_hi, p_lo = compat.T(sh.y), compat.T(sh.e)
-      s_t, pd = mg.products([
-          x.update_transposed(s_t, delta_t),
-          ([(d_hi, p_hi), (d_lo, p_hi), (d_hi, p_lo)], (BV, C), None)])
+      s_t, pd = mg.products(
+          [x.update_transposed(s_t, delta_t),
+           ([(d_hi, p_hi), (d_lo, p_hi), (d_hi, p_lo)], (BV, C), None)],
+          meanwhile=save_state_and_delta)
       g_col = mg.load(sh.g_cols.at[x.slot], COLS)
       o_t = pd + lax.broadcast_in_dim(scale * jnp.exp(g_col), pd.shape,
                                       [1]) * qs_t
@@ -326,13 +332,16 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
                               None)])
       delta_t = x.delta_transposed(ks_t)
 
-      @pl.when(n > 0)
-      def _():  # WG1 is done with chunk n - 1's S and Delta
-        plgpu.barrier_wait(s_free)
+      def publish():  # while the update runs
+        @pl.when(n > 0)
+        def _():  # WG1 is done with chunk n - 1's S and Delta
+          plgpu.barrier_wait(s_free)
 
-      x.publish_transposed(s_lo, *ut.halves(delta_t, sh.s.dtype))
-      plgpu.barrier_arrive(s_ready)
-      (s_t,) = mg.products([x.update_transposed(s_t, delta_t)])
+        x.publish_transposed(s_lo, *ut.halves(delta_t, sh.s.dtype))
+        plgpu.barrier_arrive(s_ready)
+
+      (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
+                           meanwhile=publish)
       plgpu.barrier_arrive(free.at[x.slot])
       return s_t
 
