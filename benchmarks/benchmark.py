@@ -119,7 +119,6 @@ MOSAIC_VARIANTS = {
     "mosaic:bwd=pallas": dict(backward=()),
     **{f"mosaic:bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
-    "mosaic:read_w_u": dict(form_w_u=False),
     "mosaic:wide": dict(narrow_dk=False),
     "mosaic:ws": dict(schedule="specialized"),
     "mosaic:st": dict(schedule="transposed"),

@@ -11,8 +11,7 @@ abs and relative RMS errors (fla's tolerance: 0.005 for o and the state,
 0.008 for dq, dk, dv, dh0, 0.02 for da, db). (b) Speed: forward and
 forward+backward of "mosaic" and "pallas" on benchmark.py's inputs (bf16)
 and timing (:func:`benchmark.median_ms`). "mosaic:inv=mosaic" takes the
-Mosaic GPU UT inverse, "mosaic:read_w_u" has ut_backward read W and U
-from ut.w_u (``form_w_u=False``), "mosaic:wide" hands the output's share
+Mosaic GPU UT inverse, "mosaic:wide" hands the output's share
 of dk on in float32 (``narrow_dk=False``), "mosaic:bwd=..."
 is "mosaic" with the backward's Mosaic GPU kernels limited to those named
 (``gated_delta_mosaic(..., backward=...)``; "pallas": none), to time each

@@ -170,11 +170,27 @@ def test_backward_kernels_agree_with_the_pallas_ones():
     grads(("scan",))
 
 
+def test_ut_backward_without_w_and_u_agrees_with_the_pallas_one():
+  """The Mosaic ut_backward forms dM from ``Z = dX_v V^T`` and ``dX_k K^T``
+  (W and U never formed) where the Pallas one reads W and U: over five
+  chunks, where the state's share of dM matters (dropping ``dX_k W^T``
+  takes da and db to 2e-3), the gradients agree to their roundings."""
+  args, cts = _contract_inputs(4, length=320, value_heads=2, key_dim=64,
+                               value_dim=128)
+  grads = lambda backward: _mosaic_vjp(args, cts, backward=backward)[1]
+  names = ("dq", "dk", "dv", "da", "db", "dh0")
+  bounds = dict(dq=1e-6, dk=2e-3, dv=1e-6, da=6e-4, db=6e-4, dh0=1e-6)
+  for name, got, want in zip(names, grads(("ut",)), grads(())):
+    err = utils.relative_rms_error(np.asarray(got, np.float64),
+                                   np.asarray(want, np.float64))
+    assert err < bounds[name], (name, err)
+
+
 def test_narrow_dk_matches_float64():
   """The output's share of dk handed on in bf16 (``narrow_dk``, on by
-  default, as is ``form_w_u``): every gradient within fla's tolerances of
-  float64, dk changed by the extra rounding (the option runs); it needs
-  the two kernels in Mosaic GPU."""
+  default): every gradient within fla's tolerances of float64, dk changed
+  by the extra rounding (the option runs); it needs the two kernels in
+  Mosaic GPU."""
   args, cts = _contract_inputs(8, length=256, value_heads=2, key_dim=128,
                                value_dim=128)
   with jax.enable_x64(True):
@@ -193,21 +209,6 @@ def test_narrow_dk_matches_float64():
   assert np.any(got["dk"] != grads(narrow_dk=False)[1])
   with pytest.raises(ValueError, match="narrow_dk needs"):
     grads(narrow_dk=True, backward=("output", "reverse"))
-
-
-def test_formed_w_u_give_the_same_gradients():
-  """ut_backward forming W and U itself (``form_w_u=True``) rounds them as
-  ut.w_u does: the same gradients, to float32 rounding; it needs the two
-  kernels in Mosaic GPU."""
-  args, cts = _contract_inputs(5, length=128, value_heads=2, key_dim=64,
-                               value_dim=128)
-  grads = lambda **options: _mosaic_vjp(args, cts, **options)[1]
-  for got, want in zip(grads(form_w_u=True), grads(form_w_u=False)):
-    np.testing.assert_allclose(np.asarray(got, np.float32),
-                               np.asarray(want, np.float32), rtol=0,
-                               atol=1e-5 * float(np.max(np.abs(want))))
-  with pytest.raises(ValueError, match="form_w_u needs"):
-    grads(form_w_u=True, backward=("ut",))
 
 
 def test_inverses_agree():
@@ -268,9 +269,8 @@ def test_kernels_lower_for_the_gpu(schedule):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the backward's kernels (with and without form_w_u and
-  narrow_dk; the reverse pass as the schedule takes it), the last of them
-  under vmap too."""
+  states, the backward's kernels (with and without narrow_dk; the reverse
+  pass as the schedule takes it), the last of them under vmap too."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -287,16 +287,13 @@ def test_kernels_lower_for_the_gpu(schedule):
       *((lambda *x, v=values: ut.w_u(mg, *x, values=v),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64)))
         for values in (True, False)),
-      # ut_backward reading W, U and a float32 dk_out, then forming W and U
-      # with a bfloat16 dk_out (form_w_u, narrow_dk).
-      *((lambda k, v, g, b, t, *x, w_u=w_u: ut_backward.ut_backward(
-          mg, k, v, g, b, t, *(x[:2] if w_u else (None, None)), *x[2:]),
+      # ut_backward with a float32 and a bfloat16 dk_out (narrow_dk).
+      *((lambda *x: ut_backward.ut_backward(mg, *x),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
-          shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 2, 2, 128, 128), shape(1, 2, 2, 128, 128),
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128, dtype=dtype), vec))
-        for w_u, dtype in ((True, jnp.float32), (False, jnp.bfloat16))),
+        for dtype in (jnp.float32, jnp.bfloat16)),
       # The reverse pass carrying dS^T with the transposed scans.
       (lambda *x: reverse.backward(mg, *x, scale=0.1,
                                    transposed=schedule != "one"),

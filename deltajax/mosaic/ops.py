@@ -4,13 +4,15 @@ Forward: the UT inverse (parallel over chunks; the Pallas kernel
 :func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
 :func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
 one) -> :func:`scan.forward` (the state scan and the output fused,
-sequential over chunks, in one of :data:`scan.SCHEDULES`). The products run on the tensor cores with 16-bit operands, so q, k
-and v must be 16-bit (the registry refuses float32 and float64 ones:
-``wide=False``); gates, beta, the state and every accumulation are float32.
+sequential over chunks, in one of :data:`scan.SCHEDULES`). The products run
+on the tensor cores with 16-bit operands, so q, k and v must be 16-bit (the
+registry refuses float32 and float64 ones: ``wide=False``); gates, beta,
+the state and every accumulation are float32.
 
 Backward: the steps of :func:`deltajax.pallas.ops.backward`, each kernel in
 Mosaic GPU where the Pallas kernels' padded head dims are 64 or 128 (else
-the Pallas one): ``W``, ``U`` (:func:`ut.w_u`), the output's backward
+the Pallas one): ``W`` (and ``U`` for the Pallas ut_backward:
+:func:`ut.w_u`), the output's backward
 (:func:`output.output_backward`), the reverse state pass
 (:func:`reverse.backward`), the backward through the UT transform
 (:func:`ut_backward.ut_backward`). The forward under differentiation also
@@ -70,7 +72,7 @@ _BACKWARD_KERNELS = {
         ("q", "d_o")),
     "ut": _BackwardKernel(
         "ut_backward", ut_backward.ut_backward, pallas_ut.ut_backward,
-        ("k", "v", "g", "b", "t", "w", "u", "states", "d_next", "delta",
+        ("k", "v", "g", "b", "t", "states", "d_next", "delta",
          "d_delta", "dk_out", "dg_out"), ("k", "v")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
@@ -80,7 +82,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule="one",
                        inverse="pallas", backward=BACKWARD,
-                       form_w_u=None, narrow_dk=None):
+                       narrow_dk=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -106,13 +108,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       pass, the backward through the UT transform);
       the others are the Pallas ones, as is the rest of the backward. Each
       runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
-      or 128.
-    form_w_u: the backward through the UT transform forms W and U chunk by
-      chunk instead of reading them, and :func:`ut.w_u` forms only W (for
-      the reverse pass): U's round trip through HBM and W's second read
-      saved, for two more products per chunk. True needs "w_u" and "ut" in
-      ``backward``; None (the default) means True where they are (3 % off
-      forward+backward at (4, 4096, 16, 128) on the H200, RESULTS run M).
+      or 128. The Mosaic GPU backward through the UT transform needs
+      neither W nor U, so with it :func:`ut.w_u` forms W alone, for the
+      reverse pass.
     narrow_dk: the output's backward hands its share of dk to ut_backward
       in q's 16-bit dtype instead of float32 (half its HBM traffic, one more
       rounding). True needs "output" and "ut" in ``backward``; None (the
@@ -149,12 +147,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
-  form_w_u, narrow_dk = (
-      _option(name, option, needs, backward) for name, option, needs in (
-          ("form_w_u", form_w_u, ("w_u", "ut")),
-          ("narrow_dk", narrow_dk, ("output", "ut"))))
+  narrow_dk = _option("narrow_dk", narrow_dk, ("output", "ut"), backward)
   o, final = _mosaic(float(scale), (schedule, inverse),
-                     (tuple(backward), form_w_u, narrow_dk),
+                     (tuple(backward), narrow_dk),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -218,7 +213,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse) and ``backward`` (its Mosaic kernels, form_w_u, narrow_dk) are
+  inverse) and ``backward`` (its Mosaic kernels, narrow_dk) are
   static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
@@ -246,26 +241,23 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(schedule, form_w_u, narrow_dk):
+def _kernel_options(schedule, names, narrow_dk):
   """The Mosaic backward kernels' options, by name: the reverse pass
-  carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; with
-  ``form_w_u``, W alone from ut.w_u and neither W nor U into ut_backward;
+  carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; W alone
+  from ut.w_u where the Mosaic ut_backward (which needs no U) takes it;
   with ``narrow_dk``, a 16-bit share of dk from the output's backward. (The
   kernels that an option couples fall back to Pallas at the same head
   dims.)"""
   options = {name: {} for name in BACKWARD}
   options["reverse"]["transposed"] = schedule != "one"
-  if form_w_u:
-    options["w_u"]["values"] = False
-    options["ut"].update(w=None, u=None)
-  if narrow_dk:
-    options["output"]["narrow_dk"] = True
+  options["w_u"]["values"] = "ut" not in names
+  options["output"]["narrow_dk"] = narrow_dk
   return options
 
 
 def _bwd(scale, plan, backward, residuals, cotangents):
-  names, *flags = backward
-  options = _kernel_options(plan[0], *flags)
+  names, narrow_dk = backward
+  options = _kernel_options(plan[0], names, narrow_dk)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}

@@ -12,8 +12,10 @@ gate through (GDN seed, sections 2.3 and 3.3)::
 with the output's shares ``dk_out``, ``dg_out`` added. In order:
 
 * by blocks of BV value columns: ``dX_v = T^T dDelta`` (dv = ``b * dX_v``),
-  ``dK_end = Delta dS'^T``, ``dW = -dDelta S^T``, ``dM = -dX_v U^T``;
-* ``dX_k = T^T dW``, ``dM -= dX_k W^T``, the keys' and beta's shares;
+  ``dK_end = Delta dS'^T``, ``dW = -dDelta S^T``, ``Z = dX_v V^T``;
+* ``dX_k = T^T dW``, the keys' and beta's shares, and ``dM = -dX_v U^T -
+  dX_k W^T = -(Z diag(b) + dX_k K^T diag(b e^g)) T^T``: W and U are never
+  formed;
 * ``dA = diag(b) dM`` through ``A``: ``dk += dE K + dE^T K`` with ``dE =
   dA * Gamma``, and the gate's share ``rowsum(K * dE K) - rowsum(K * dE^T
   K)`` (as in :mod:`output`: sums over key channels, one register layout);
@@ -24,10 +26,15 @@ Sums that cross rows (the chunk end's totals, the reverse cumulative sum)
 go through shared memory: a per-row vector stored, read back per column and
 broadcast, then summed along rows. One CTA (one warpgroup) per (batch,
 chunk, value head); products with 16-bit operands (dDelta, dW, dX and dE
-rounded to them, as the Pallas kernel does) and float32 accumulation.
+rounded to them, as the Pallas kernel does; the bracket of dM in two
+passes) and float32 accumulation. The value blocks' tiles and the keys'
+side's share one region of shared memory (two scopes), so that two CTAs fit
+on a multiprocessor at K = 128 (about 90 KB each, 170 KB before).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +43,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.mosaic import compat
+from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
-_CHUNK_INPUTS = 7  # TMA copies: k, T, dk_out, the gate twice, b, dg_out (+ W)
-_BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS' (+ U)
+_CHUNK_INPUTS = 7  # TMA copies: k, T, the gate twice, b twice, dg_out
+_BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS'
 
 
 def _column_sums(mg, x, staging, width):
@@ -60,141 +68,150 @@ def _column_sums(mg, x, staging, width):
   return total
 
 
-def _scaled_product(mg, t_s, x_s, factor, staging, out_s):
-  """``out_s = T diag(factor) X`` (W or U: :func:`deltajax.mosaic.ut.w_u`'s
-  roundings), ``diag(factor) X`` staged in ``staging``."""
-  x = mg.load(x_s, WGMMA).astype(jnp.float32)
-  staging[...] = (compat.rows(factor, x.shape) * x).astype(staging.dtype)
-  plgpu.commit_smem()
-  out_s[...] = mg.mm([(t_s, staging)], x.shape).astype(out_s.dtype)
-  plgpu.commit_smem()
-
-
-def _body(mg, *refs, groups, form_w_u):
-  n_in = 11 if form_w_u else 13
-  (k_ref, v_ref, g_ref, b_ref, t_ref, *w_u_refs, s_ref, dnext_ref, delta_ref,
-   dd_ref, dkout_ref, dgout_ref) = refs[:n_in]
-  (dk_ref, dv_ref, db_ref, da_ref, k_s, w_s, t_s, dkout_s, g_rows, g_cols,
-   b_s, dgout_s, v_s, u_s, dd_s, delta_s, s_s, dn_s, dv_s, dw_s, de_s, dk_s,
-   vec_s, key_vec_s, bar, block_bar) = refs[n_in:]
+def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
+          dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref, db_ref, da_ref, k_s,
+          t_s, g_rows, g_cols, b_s, b_cols, dgout_s, vec_s, key_vec_s, bar,
+          block_bar, dkout_bar, *, groups, dtypes):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  keys, square = (C, k_s.shape[1]), (C, C)
-  # W and U: read (w_u_refs), or formed here from T, K, V, the gate and b.
-  w_ref, u_ref = w_u_refs or (None, None)
+  dk_dim = k_s.shape[1]
+  keys, square, tile = (C, dk_dim), (C, C), (C, BV)
   compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  *(() if form_w_u else ((w_ref.at[bi, tokens, h], w_s),)),
                   (t_ref.at[bi, h, tokens], t_s),
-                  (dkout_ref.at[bi, tokens, h], dkout_s),
                   (g_ref.at[bi, h, tokens], g_rows),
                   (g_ref.at[bi, h, tokens], g_cols),
                   (b_ref.at[bi, h, tokens], b_s),
+                  (b_ref.at[bi, h, tokens], b_cols),
                   (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
 
-  def load_block(j):
-    cols = pl.ds(j * BV, BV)
-    compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
-                    *(() if form_w_u
-                      else ((u_ref.at[bi, tokens, h, cols], u_s),)),
-                    (dd_ref.at[bi, tokens, h, cols], dd_s),
-                    (delta_ref.at[bi, tokens, h, cols], delta_s),
-                    (s_ref.at[bi, h, n, :, cols], s_s),
-                    (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
+  def values_side(v_s, dd_s, delta_s, s_s, dn_s, dv_s):
+    """The value blocks' shares: ``(dK_end, -dW, Z = dX_v V^T, db's share,
+    rowsum(dS' * S))``; dv written."""
+    def load_block(j):
+      cols = pl.ds(j * BV, BV)
+      compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
+                      (dd_ref.at[bi, tokens, h, cols], dd_s),
+                      (delta_ref.at[bi, tokens, h, cols], delta_s),
+                      (s_ref.at[bi, h, n, :, cols], s_s),
+                      (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
 
-  load_block(0)
-  plgpu.barrier_wait(bar)
-  beta = mg.load(b_s, ROWS)
-  if form_w_u:  # dw_s stages diag(b) K e^g before it takes dW
-    _scaled_product(mg, t_s, k_s, beta * jnp.exp(mg.load(g_rows, ROWS)),
-                    dw_s, w_s)
-  tile = (C, BV)
-  db = d_k_end = minus_dw = minus_dm = ds_sum = None
-  n_blocks = v_ref.shape[-1] // BV
-  for j in range(n_blocks):
-    plgpu.barrier_wait(block_bar)
-    if form_w_u:  # dv_s stages diag(b) V before it takes dv
+    load_block(0)
+    plgpu.barrier_wait(bar)
+    beta = mg.load(b_s, ROWS)
+    d_k_end = minus_dw = z = db = ds_sum = None
+    n_blocks = v_ref.shape[-1] // BV
+    for j in range(n_blocks):
+      plgpu.barrier_wait(block_bar)
+      d_xv, d_k_end, minus_dw = mg.products([
+          ([(compat.T(t_s), dd_s)], tile, None),
+          ([(delta_s, compat.T(dn_s))], keys, d_k_end),
+          ([(dd_s, compat.T(s_s))], keys, minus_dw)])
+      (z,) = mg.products([([(d_xv.astype(v_s.dtype), compat.T(v_s))],
+                           square, z)])
+      block_db = jnp.sum(d_xv * mg.load(v_s, WGMMA).astype(jnp.float32),
+                         axis=1)
+      block_ds = jnp.sum(mg.load(dn_s, WGMMA).astype(jnp.float32)
+                         * mg.load(s_s, WGMMA).astype(jnp.float32), axis=1)
+      db = block_db if db is None else db + block_db
+      ds_sum = block_ds if ds_sum is None else ds_sum + block_ds
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
-      _scaled_product(mg, t_s, v_s, beta, dv_s, u_s)
-    d_xv, d_k_end, minus_dw = mg.products([
-        ([(compat.T(t_s), dd_s)], tile, None),
-        ([(delta_s, compat.T(dn_s))], keys, d_k_end),
-        ([(dd_s, compat.T(s_s))], keys, minus_dw)])
-    (minus_dm,) = mg.products([([(d_xv.astype(u_s.dtype), compat.T(u_s))],
-                                square, minus_dm)])
-    block_db = jnp.sum(d_xv * mg.load(v_s, WGMMA).astype(jnp.float32),
-                       axis=1)
-    block_ds = jnp.sum(mg.load(dn_s, WGMMA).astype(jnp.float32)
-                       * mg.load(s_s, WGMMA).astype(jnp.float32), axis=1)
-    db = block_db if db is None else db + block_db
-    ds_sum = block_ds if ds_sum is None else ds_sum + block_ds
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
-    dv_s[...] = (compat.rows(beta, tile) * d_xv).astype(dv_s.dtype)
+      dv_s[...] = (compat.rows(beta, tile) * d_xv).astype(dv_s.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[bi, tokens, h,
+                                              pl.ds(j * BV, BV)])
+      if j + 1 < n_blocks:  # this block's tiles are read
+        load_block(j + 1)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's end
+    return d_k_end, minus_dw, z, db, ds_sum
+
+  block = compat.smem(tile, dtypes.k)
+  state_block = compat.smem((dk_dim, BV), dtypes.k)
+  d_k_end, minus_dw, z, db, ds_sum = pl.run_scoped(
+      values_side, block, block, block, state_block, state_block, block)
+
+  def keys_side(dkout_s, dw_s, de_s, dk_s):
+    """dk, db, da (in the shared memory that the value blocks held)."""
+    plgpu.copy_gmem_to_smem(dkout_ref.at[bi, tokens, h], dkout_s, dkout_bar)
+    beta, g, g_end = mg.load(b_s, ROWS), mg.load(g_rows, ROWS), g_rows[C - 1]
+    to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
+    dw_s[...] = (-minus_dw).astype(dw_s.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[bi, tokens, h,
-                                            pl.ds(j * BV, BV)])
-    if j + 1 < n_blocks:  # this block's tiles are read
-      load_block(j + 1)
+    d_xk, kk = mg.products([([(compat.T(t_s), dw_s)], keys, None),
+                            ([(k_s, compat.T(k_s))], square, None)])
+    # -dM = dX_v U^T + dX_k W^T = (Z diag(b) + dX_k K^T diag(b e^g)) T^T for
+    # U = T diag(b) V, W = T diag(b e^g) K, which are never formed; the
+    # bracket in two bf16 passes.
+    (z_k,) = mg.products([([(d_xk.astype(dw_s.dtype), compat.T(k_s))],
+                           square, None)])
+    beta_col = mg.load(b_cols, COLS)
+    bracket = (z * lax.broadcast_in_dim(beta_col, square, [1])
+               + z_k * lax.broadcast_in_dim(
+                   beta_col * jnp.exp(mg.load(g_cols, COLS)), square, [1]))
+    r_hi, r_lo = ut.halves(bracket, dw_s.dtype)
+    (minus_dm,) = mg.products([([(r_hi, compat.T(t_s)),
+                                 (r_lo, compat.T(t_s))], square, None)])
+    k = mg.load(k_s, WGMMA).astype(jnp.float32)
+    end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
+    d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
+    dg = beta * d_xk_kg - end_share
+    plgpu.barrier_wait(dkout_bar)
+    dk = (compat.rows(to_end, keys) * d_k_end
+          + mg.load(dkout_s, WGMMA).astype(jnp.float32)
+          + compat.rows(from_start * beta, keys) * d_xk)
 
-  # The keys' side: dX_k = T^T dW, and W = T diag(b) K e^g's shares.
-  g, g_end = mg.load(g_rows, ROWS), g_rows[C - 1]
-  to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
-  dw_s[...] = (-minus_dw).astype(dw_s.dtype)
-  plgpu.commit_smem()
-  (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
-  (minus_dm,) = mg.products([([(d_xk.astype(w_s.dtype), compat.T(w_s))],
-                              square, minus_dm)])
-  k = mg.load(k_s, WGMMA).astype(jnp.float32)
-  end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
-  d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
-  db = db + d_xk_kg
-  dg = beta * d_xk_kg - end_share
-  dk = (compat.rows(to_end, keys) * d_k_end
-        + mg.load(dkout_s, WGMMA).astype(jnp.float32)
-        + compat.rows(from_start * beta, keys) * d_xk)
+    # M = diag(b) A: db's share, then dA = diag(b) dM through A.
+    rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+    gamma = jnp.exp(jnp.where(
+        rows > cols, compat.rows(g, square)
+        - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]),
+        -jnp.inf))
+    d_b = db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1)
+    de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
+        de_s.dtype)
+    plgpu.commit_smem()
+    dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
+                                    ([(compat.T(de_s), k_s)], keys, None)])
+    dk = dk + dk_rows + dk_cols
+    dg = dg + jnp.sum(k * dk_rows, axis=1) - jnp.sum(k * dk_cols, axis=1)
 
-  # M = diag(b) A: db's share, then dA = diag(b) dM through A.
-  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-  gamma = jnp.exp(jnp.where(
-      rows > cols, compat.rows(g, square)
-      - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
-  (kk,) = mg.products([([(k_s, compat.T(k_s))], square, None)])
-  db = db - jnp.sum(minus_dm * gamma * kk, axis=1)
-  de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(de_s.dtype)
-  plgpu.commit_smem()
-  dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
-                                  ([(compat.T(de_s), k_s)], keys, None)])
-  dk = dk + dk_rows + dk_cols
-  dg = dg + jnp.sum(k * dk_rows, axis=1) - jnp.sum(k * dk_cols, axis=1)
+    dk_s[...] = dk.astype(dk_s.dtype)
+    vec_s[...] = d_b
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h])
+    plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
+    g_end_share = (_column_sums(mg, end_share, vec_s, C)
+                   + jnp.exp(g_end) * _column_sums(mg, ds_sum, key_vec_s,
+                                                   dk_dim))
+    da = _column_sums(mg, mg.load(dgout_s, ROWS) + dg, vec_s, None)
+    vec_s[...] = da + g_end_share
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(vec_s, da_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
 
-  dk_s[...] = dk.astype(dk_s.dtype)
-  vec_s[...] = db
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h])
-  plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
-  g_end_share = (_column_sums(mg, end_share, vec_s, C)
-                 + jnp.exp(g_end) * _column_sums(mg, ds_sum, key_vec_s,
-                                                 k_s.shape[1]))
-  da = _column_sums(mg, mg.load(dgout_s, ROWS) + dg, vec_s, None)
-  vec_s[...] = da + g_end_share
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(vec_s, da_ref.at[bi, h, tokens])
-  plgpu.wait_smem_to_gmem(0)
+  keys_tile = compat.smem(keys, dtypes.k)
+  pl.run_scoped(keys_side, compat.smem(keys, dtypes.dk_out), keys_tile,
+                compat.smem(square, dtypes.k), compat.smem(keys, dtypes.dk))
 
 
-def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
-                dk_out, dg_out):
+class _Dtypes(NamedTuple):
+  """The kernel's 16-bit dtype, and those of dk_out and dk."""
+  k: object
+  dk_out: object
+  dk: object
+
+
+def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
+                dg_out):
   """The cotangents of k, v, beta and the gate's increments.
 
   Args:
     mg: :class:`compat.Mosaic`.
-    k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; v, u, delta, d_delta: ``[B,
-      T, HV, V]``; t: ``[B, HV, T, C]``; states, d_next: ``[B, HV, T / C,
-      K, V]``: one 16-bit dtype (d_delta may be float32: it is rounded to
-      it); K and V in {64, 128}, T a multiple of 64. w and u may both be
-      None: each chunk then forms them from T, k, v, g and b, as
-      :func:`deltajax.mosaic.ut.w_u` does, instead of reading them.
+    k: ``[B, T, H, K]``; v, delta, d_delta: ``[B, T, HV, V]``; t: ``[B, HV,
+      T, C]``; states, d_next: ``[B, HV, T / C, K, V]``: one 16-bit dtype
+      (d_delta may be float32: it is rounded to it); K and V in {64, 128},
+      T a multiple of 64.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
     dk_out: ``[B, T, HV, K]`` (float32 or k's dtype), dg_out: ``[B, HV,
       T]`` float32: the output's shares.
@@ -205,30 +222,25 @@ def ut_backward(mg, k, v, g, b, t, w, u, states, d_next, delta, d_delta,
     ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32.
   """
   bsz, t_len, h, dk = k.shape
-  heads, dv = v.shape[2:]
+  heads = v.shape[2]
   dtype, f32 = k.dtype, jnp.float32
-  form_w_u = w is None and u is None
   d_delta = d_delta.astype(dtype)  # float32 from the Pallas reverse pass
-  dk_dtype = dtype if heads == h else f32
-  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dk_dtype),
+  dtypes = _Dtypes(dtype, dk_out.dtype, dtype if heads == h else f32)
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtypes.dk),
               jax.ShapeDtypeStruct(v.shape, v.dtype),
               jax.ShapeDtypeStruct(b.shape, f32),
               jax.ShapeDtypeStruct(g.shape, f32)]
   vec = plgpu.SMEM((C,), f32)
-  keys, block = compat.smem((C, dk), dtype), compat.smem((C, BV), dtype)
-  square = compat.smem((C, C), dtype)
-  state_block = compat.smem((dk, BV), dtype)
-  scratch = [keys, keys, square, compat.smem((C, dk), dk_out.dtype), vec,
-             vec, vec, vec, block, block, block, block, state_block,
-             state_block, block, keys, square,
-             compat.smem((C, dk), dk_dtype), vec,
-             plgpu.SMEM((dk,), f32),
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + (not form_w_u)),
-             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS + (not form_w_u))]
-  w_u = [] if form_w_u else [w, u]
+  # Only what both scopes of _body use; each scope allocates its own tiles
+  # in the same place after these.
+  scratch = [compat.smem((C, dk), dtype), compat.smem((C, C), dtype), vec,
+             vec, vec, vec, vec, vec, plgpu.SMEM((dk,), f32),
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
+             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
+             plgpu.Barrier(num_arrivals=1)]
   return mg.kernel(
-      lambda *refs: _body(mg, *refs, groups=heads // h, form_w_u=form_w_u),
+      lambda *refs: _body(mg, *refs, groups=heads // h, dtypes=dtypes),
       out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_ut_backward",
-      )(k, v, g, b, t, *w_u, states, d_next, delta, d_delta, dk_out, dg_out)
+      )(k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out)
