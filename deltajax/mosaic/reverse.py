@@ -75,16 +75,22 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
                      (dd_ref.at[bi, tokens, h, cols], sh.dd)):
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
 
-  def step(i, ds):
+  def begin(i):
+    """``(n, slot, tokens)`` of the i-th chunk from the last, once its tiles
+    are in, the next one's are on their way and chunk n + 1's stores have
+    left."""
     n, slot = n_chunks - 1 - i, lax.rem(i, SLOTS)
-    tokens = pl.ds(n * C, C)
     plgpu.barrier_wait(sh.loaded.at[slot])
 
     @pl.when(n > 0)
     def _prefetch():  # the other slot's last reader (chunk n + 1) is done
       issue(n - 1, 1 - slot)
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return n, slot, pl.ds(n * C, C)
+
+  def step(i, ds):
+    n, slot, tokens = begin(i)
     g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
     d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
     sh.ds[...] = ds.astype(sh.ds.dtype)
@@ -106,15 +112,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
   def transposed_step(i, ds_t):
     """``step`` on ``dS^T [BV, K]``: both products take their left operand
     from registers, and the chunk's stores overlap the second."""
-    n, slot = n_chunks - 1 - i, lax.rem(i, SLOTS)
-    tokens = pl.ds(n * C, C)
-    plgpu.barrier_wait(sh.loaded.at[slot])
-
-    @pl.when(n > 0)
-    def _prefetch():  # the other slot's last reader (chunk n + 1) is done
-      issue(n - 1, 1 - slot)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n + 1's stores
+    n, slot, tokens = begin(i)
     tile = (BV, C)
     per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
     g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]

@@ -229,6 +229,19 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       plgpu.copy_smem_to_gmem(sh.s, states_ref.at[bi, h, n, :, cols])
       plgpu.copy_smem_to_gmem(sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
 
+  def begin(n):
+    """Chunk n of the one-warpgroup schedules, once its tiles are in, the
+    next chunk's are on their way and chunk n - 1's stores have left."""
+    x = chunk(n)
+    plgpu.barrier_wait(sh.loaded.at[x.slot])
+
+    @pl.when(n + 1 < n_chunks)
+    def _prefetch():  # the other slot's last reader (chunk n - 1) is done
+      issue(n + 1, 1 - x.slot)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return x
+
   def final_state(s):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     sh.f[...] = s
@@ -238,14 +251,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   if schedule == "transposed":
     def transposed_step(n, s_t):
-      x = chunk(n)
-      plgpu.barrier_wait(sh.loaded.at[x.slot])
-
-      @pl.when(n + 1 < n_chunks)
-      def _prefetch():  # the other slot's last reader (chunk n - 1) is done
-        issue(n + 1, 1 - x.slot)
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores
+      x = begin(n)
       s_lo, k_t = s_t.astype(sh.s.dtype), compat.T(sh.k.at[x.slot])
       ks_t, qs_t, qk = mg.products([
           ([(s_lo, k_t)], (BV, C), None),
@@ -279,14 +285,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   if schedule == "one":
     def step(n, s):
-      x = chunk(n)
-      plgpu.barrier_wait(sh.loaded.at[x.slot])
-
-      @pl.when(n + 1 < n_chunks)
-      def _prefetch():  # the other slot's last reader (chunk n - 1) is done
-        issue(n + 1, 1 - x.slot)
-
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # chunk n - 1's stores
+      x = begin(n)
       publish_state(s)
       ks, qk = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
                             ([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))],
