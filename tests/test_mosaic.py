@@ -114,21 +114,26 @@ def test_mosaic_strong_gates_stay_finite():
 @pytest.mark.parametrize("shape", [(1, 128, 1, 2, 64, 64),
                                    (1, 192, 1, 2, 128, 64)])
 def test_mosaic_per_channel_matches_float64(shape):
+  """The gates' scales spread over the key channels, from a state kept over
+  many chunks to one forgotten within a chunk, so that the state's decay
+  per row matters (channel 0's decay on every row took the final state to
+  0.41 relative RMS error, o to 0.055: impl="pallas" has the same errors as
+  this one, o 3.1e-3, da 4.4e-3)."""
   bsz, t, h, hv, dk, dv = shape
-  _check(utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
-                             value_heads=hv, key_dim=dk, value_dim=dv,
-                             per_channel=True, gate_scale=0.25,
-                             state_scale=0.1))
+  x = utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
+                          value_heads=hv, key_dim=dk, value_dim=dv,
+                          per_channel=True, state_scale=0.1)
+  _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, dk)))
 
 
 def test_mosaic_per_channel_strong_gates_stay_finite():
   """KDA with a = -5 on every token and channel (the state forgotten within
   a few tokens), b near 2 and nearly aligned keys: nothing overflows, and
-  the results keep the tolerances of the strong per-head gates above."""
+  the results keep fla's tolerances (as impl="pallas": o 2.3e-3, da
+  3.5e-3)."""
   x = utils.strong_kda_inputs(7, length=128, key_dim=64, value_dim=64)
   _check(x._replace(a=np.full_like(x.a, -5.0),
-                    initial_state=0.1 * x.initial_state),
-         tolerances=dict.fromkeys(TOLERANCES, 0.05))
+                    initial_state=0.1 * x.initial_state))
 
 
 def _contract_inputs(seed, **shape):

@@ -33,6 +33,20 @@ Three schedules of the same steps (:data:`SCHEDULES`):
   copy and Delta in shared memory, WG1 forms the scores and the output from
   them, one chunk behind WG0 at most.
 
+A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
+kernels' decayed operands and scores (``channel`` of :func:`forward`), as
+the Pallas per-channel scan and output kernels take them::
+
+  Delta = T diag(b) (V - (K e^g) S)
+  O     = scale (Q e^g) S + P Delta
+  S    <- diag(e^{g_C}) S + (K e^{g_C - g})^T Delta
+
+with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling S's rows. TMA
+brings ``Q e^g``, ``K e^g`` and ``K e^{g_C - g}`` in place of q, k and the
+gates, and P (float32, for its bf16 halves) into one slot of its own, the
+next chunk's once this chunk's output has read it: 218 KB of shared memory
+per CTA at K = 128 (187 KB for the per-head gate).
+
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
 """
@@ -54,7 +68,9 @@ from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 C = 64
 BV = 64  # value columns per CTA (= C: "transposed" stages P in [C, BV] tiles)
 SLOTS = 2  # chunks of input tiles in flight
-_INPUTS = 7  # TMA copies per chunk: q, k, v, T, the gate twice, beta
+# TMA copies per chunk: q, k, v, T, the gate twice, beta (per channel: Q e^g,
+# K e^g, v, T, K e^{g_C - g}, the gate at the chunk's end, beta).
+_INPUTS = 7
 SCHEDULES = ("one", "transposed", "specialized")
 
 
