@@ -141,10 +141,11 @@ REGISTRY = {
     # Hopper only; faster than "pallas" on the H200, forward and
     # forward+backward, at every shape timed (benchmarks/RESULTS.md, run L).
     "mosaic": Implementation(
-        "mosaic", mosaic.gated_delta_mosaic, gates=("head",),
+        "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
-        max_head_dim=mosaic.MAX_HEAD_DIM),
+        max_head_dim=mosaic.MAX_HEAD_DIM,
+        auto_gates=("head",)),  # the per-channel gate is untimed on a GPU
 }
 
 # The kernels "auto" considers, fastest first.

@@ -3,11 +3,11 @@
 16-bit inputs, float32 gates and initial state, against the float64 chunked
 reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
-dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper; impl="auto"
-(what a user gets) on grouped value heads, packed sequences, fla's GDN test
-grid and fla's KDA test shapes (KDA and Gated DeltaNet-2), and in pieces
-(``parallel.gated_delta_in_pieces``); the decoding step's kernel in a jitted
-loop at the benchmark's shape.
+dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper (Gated
+DeltaNet and KDA); impl="auto" (what a user gets) on grouped value heads,
+packed sequences, fla's GDN test grid and fla's KDA test shapes (KDA and
+Gated DeltaNet-2), and in pieces (``parallel.gated_delta_in_pieces``); the
+decoding step's kernel in a jitted loop at the benchmark's shape.
 """
 
 import functools
@@ -113,6 +113,22 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
   value heads in the last case."""
   args, cts = _inputs(t, d, seed=t * 1000 + d, hv=hv)
   _check("mosaic", args, cts, label=f"mosaic T={t} D={d} HV={hv}")
+
+
+@pytest.mark.skipif(pallas.gpu_capability() is None
+                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
+                    reason="impl='mosaic' needs Hopper (compute capability "
+                    "9.0)")
+@pytest.mark.parametrize("t,d,hv,gate_div", [(63, 100, None, 4.0),
+                                             (1024, 128, 8, 64.0)])
+def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
+  """KDA through impl="mosaic" (its per-channel scan between the Pallas
+  gate, scores and inverse; the Pallas backward), fla's KDA inputs; grouped
+  value heads and weak gates (the state kept across chunks) in the last
+  case."""
+  args, cts = _inputs(t, d, seed=t * 1000 + d, h=4, hv=hv, per_channel=True,
+                      gate_div=gate_div, nonnegative_qk=True)
+  _check("mosaic", args, cts, label=f"kda mosaic T={t} D={d} HV={hv}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],

@@ -109,6 +109,33 @@ def test_mosaic_strong_gates_stay_finite():
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
 
 
+# (B, T, H, HV, K, V) of KDA (a per-channel gate): grouped value heads; K = 128
+# with V = 64 over three chunks.
+@pytest.mark.parametrize("shape", [(1, 128, 1, 2, 64, 64),
+                                   (1, 192, 1, 2, 128, 64)])
+def test_mosaic_per_channel_matches_float64(shape):
+  """The gates' scales spread over the key channels, from a state kept over
+  many chunks to one forgotten within a chunk, so that the state's decay
+  per row matters (channel 0's decay on every row took the final state to
+  0.41 relative RMS error, o to 0.055: impl="pallas" has the same errors as
+  this one, o 3.1e-3, da 4.4e-3)."""
+  bsz, t, h, hv, dk, dv = shape
+  x = utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
+                          value_heads=hv, key_dim=dk, value_dim=dv,
+                          per_channel=True, state_scale=0.1)
+  _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, dk)))
+
+
+def test_mosaic_per_channel_strong_gates_stay_finite():
+  """KDA with a = -5 on every token and channel (the state forgotten within
+  a few tokens), b near 2 and nearly aligned keys: nothing overflows, and
+  the results keep fla's tolerances (as impl="pallas": o 2.3e-3, da
+  3.5e-3)."""
+  x = utils.strong_kda_inputs(7, length=128, key_dim=64, value_dim=64)
+  _check(x._replace(a=np.full_like(x.a, -5.0),
+                    initial_state=0.1 * x.initial_state))
+
+
 def _contract_inputs(seed, **shape):
   """``(args, cotangents)`` for :func:`mosaic.gated_delta_mosaic` itself: bf16
   q, k, v, float32 a ``[..., 1]``, b and initial state; the cotangents of
@@ -247,7 +274,6 @@ def test_inverse_is_stable_for_aligned_keys(beta):
 @pytest.mark.parametrize("option,message", [
     (dict(chunk_size=32), "chunk_size must be one of"),
     (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids"),
-    (dict(per_channel=True), "no 'channel' gate"),
     (dict(key_dim=256), "head dims up to 128"),
     (dict(dtype=jnp.float32), "q, k and v must be bfloat16 or float16"),
 ])
@@ -264,22 +290,52 @@ def test_mosaic_refuses_what_it_lacks(option, message):
                          impl="mosaic", **option)
 
 
+def test_mosaic_refuses_what_it_lacks_per_channel():
+  """Gated DeltaNet-2's gates; a per-channel gate in the scan's schedules
+  other than "one" or with the Mosaic GPU UT inverse."""
+  with pytest.raises(ValueError, match="no 'gdn2' gate"):
+    deltajax.registry.select("mosaic", gate="gdn2", length=64, chunk_size=64,
+                             packed=False, grouped=False)
+  x = utils.random_inputs(0, batch=1, length=64, heads=1, key_dim=64,
+                          value_dim=64, per_channel=True)
+  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
+          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  for option in (dict(schedule="transposed"), dict(inverse="mosaic")):
+    with pytest.raises(ValueError, match="per-channel gate runs schedule"):
+      mosaic.gated_delta_mosaic(*args, None, None, scale=0.125,
+                                chunk_size=64, **option)
+
+
 @pytest.mark.parametrize("schedule", ["one", "specialized", "transposed"])
 def test_kernels_lower_for_the_gpu(schedule):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the backward's kernels (with and without narrow_dk; the reverse
-  pass as the schedule takes it), the last of them under vmap too."""
+  states, the per-channel scan ("one": K = 64 and 128, its decay of the
+  state's rows a [K] vector of the row layout), the backward's kernels
+  (with and without narrow_dk; the reverse pass as the schedule takes it),
+  the last of them under vmap too. Lowering also checks that each kernel's
+  shared memory fits in 227 KB (the per-channel scan at K = 128: 218
+  KB)."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
   forward = lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
                                     schedule=schedule)
+  # Per channel: Q e^g, K e^g and K e^{g_C - g} per value head, g at the
+  # chunks' ends, P.
+  per_channel = lambda *x: scan.forward(mg, *x[:7], scale=0.1, save=True,
+                                        channel=x[7:])
+  decayed = lambda dk: shape(1, 128, 2, dk)
+  f32 = lambda *s: shape(*s, dtype=jnp.float32)
   for fn, args in [
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
                  vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
+      *((per_channel, (decayed(dk), decayed(dk), shape(1, 128, 2, 128),
+                       shape(1, 2, 128, 64), f32(1, 2, 2, dk), vec,
+                       f32(1, 2, dk, 128), decayed(dk), f32(1, 2, 128, 64)))
+        for dk in ((64, 128) if schedule == "one" else ())),
       *((lambda *x, narrow=narrow: output.output_backward(
           mg, *x, scale=0.1, narrow_dk=narrow),
          (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),

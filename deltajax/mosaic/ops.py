@@ -19,9 +19,19 @@ the Pallas one): ``W`` (and ``U`` for the Pallas ut_backward:
 writes what that backward keeps from its own forward (``T``, the chunk-entry
 states, Delta, at those padded head dims), so nothing is recomputed.
 
-Supported: the per-head gate, ``chunk_size = 64``, head dims up to 128
-(zero-padded to 64 or 128), grouped value heads (the kernels read q/k head
-``j // G``); not cuts or packed sequences.
+A per-channel gate (KDA, ``a [B, T, HV, K]``): the Pallas kernels form the
+gate, the decayed operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, the
+intra-chunk scores and T (:func:`deltajax.pallas.intra.forward`,
+:func:`deltajax.pallas.ut.inverse`), as ``impl="pallas"`` does; the scan
+and the output are :func:`scan.forward`'s (schedule "one"), and the backward
+is the Pallas one (:func:`deltajax.pallas.ops.backward`: the Mosaic
+backward kernels take the per-head gate only) on the residuals it keeps
+(with P).
+
+Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
+dims up to 128 (zero-padded to 64 or 128), grouped value heads (the kernels
+read q/k head ``j // G``); not Gated DeltaNet-2's gates, cuts or packed
+sequences.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from deltajax.mosaic import scan
 from deltajax.mosaic import ut_backward
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
+from deltajax.pallas import intra as pallas_intra
 from deltajax.pallas import ops as pallas_ops
 from deltajax.pallas import output as pallas_output
 from deltajax.pallas import state as pallas_state
@@ -88,7 +99,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   Args:
     q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``, ``HV = G H``; bfloat16 or
       float16 (the products take them as they are). K, V <= 128.
-    a: ``[B, T, HV, 1]`` log decay ``<= 0`` (the per-head gate only).
+    a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet)
+      or ``W = K`` (KDA, per key channel: schedule "one", the Pallas
+      inverse, and the Pallas backward whatever ``backward`` says).
     b: ``[B, T, HV]`` beta.
     initial_state: ``[B, HV, K, V]``.
     cut, chunk_seq: must be None (no packed sequences).
@@ -129,8 +142,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if cut is not None or chunk_seq is not None:
     raise ValueError("impl='mosaic' does not support segment_ids or "
                      "cu_seqlens")
-  if isinstance(b, tuple) or a.shape[-1] != 1:
-    raise ValueError("impl='mosaic' has only the per-head gate (a [B, T, HV])")
+  if isinstance(b, tuple):
+    raise ValueError("impl='mosaic' has no Gated DeltaNet-2 gates")
   dims = (q.shape[-1], v.shape[-1])
   if max(dims) > MAX_HEAD_DIM:
     raise ValueError(f"impl='mosaic' supports head dims up to {MAX_HEAD_DIM}; "
@@ -143,6 +156,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{scan.SCHEDULES}")
   if inverse not in INVERSES:
     raise ValueError(f"inverse: {inverse!r} is not one of {INVERSES}")
+  if a.shape[-1] > 1 and (schedule, inverse) != ("one", "pallas"):
+    raise ValueError(f"impl='mosaic' with a per-channel gate runs schedule "
+                     f"'one' and the Pallas inverse; got {schedule!r}, "
+                     f"{inverse!r}")
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
@@ -188,25 +205,50 @@ def _inverse(mg, kind, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
+def _per_channel_inputs(mg, scale, q, k, a, b):
+  """The per-channel scan's inputs from the Pallas kernels, as
+  :func:`deltajax.pallas.ops.gated_delta_pallas` forms them: ``(Q e^g, K
+  e^g, g at each chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g},
+  P))``, P ``[B, HV, T, C]`` float32 with the scale."""
+  config = pallas_core.KernelConfig().resolve()
+  launch = functools.partial(config.launch, per_channel=True)
+  shared = dict(chunk_size=CHUNK, interpret=mg.interpret, dot=config.dot)
+  heads = a.shape[2]
+  g, beta, _, (qg, kg, kd) = pallas_ops.gates(
+      a, b, None, CHUNK, jnp.float32, k.shape[-1], mg.interpret,
+      from_start=(q, k), to_end=(k,))
+  a_kk, p = pallas_intra.forward(q=q, k=k, g=g, cuts=None, heads=heads,
+                                 scale=scale, launch=launch("intra"),
+                                 **shared)
+  t = pallas_ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
+                        launch=launch("inverse"), **shared)
+  return qg, kg, g[:, :, CHUNK - 1::CHUNK], beta, t, (kd, p)
+
+
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   schedule, inverse = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
   vp = common.pad_axis(v, 3, _width(n_v))
-  g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
-                                   q.shape[-1], mg.interpret)
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
-  t = _inverse(mg, inverse, k, g, beta, v.shape[2])
+  if a.shape[-1] > 1:
+    q, k, g, beta, t, channel = _per_channel_inputs(mg, scale, q, k, a, b)
+  else:
+    g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
+                                     q.shape[-1], mg.interpret)
+    t, channel = _inverse(mg, inverse, k, g, beta, v.shape[2]), None
   o, final, *saved = scan.forward(mg, q, k, vp, t, g, beta, s0, scale=scale,
-                                  save=save, schedule=schedule)
+                                  save=save, schedule=schedule,
+                                  channel=channel)
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
     return outputs, None
   # The Pallas backward's layout: head dims padded to its own widths.
   kp, vp = pallas_core.padded_dim(n_k), pallas_core.padded_dim(n_v)
   states, delta = saved
-  return outputs, (t, states[..., :kp, :vp], delta[..., :vp], None)
+  return outputs, (t, states[..., :kp, :vp], delta[..., :vp],
+                   None if channel is None else channel[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -257,6 +299,8 @@ def _kernel_options(schedule, names, narrow_dk):
 
 def _bwd(scale, plan, backward, residuals, cotangents):
   names, narrow_dk = backward
+  if residuals[3].shape[-1] > 1:  # a per-channel gate: the Pallas backward
+    names = ()
   options = _kernel_options(plan[0], names, narrow_dk)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:

@@ -33,6 +33,20 @@ Three schedules of the same steps (:data:`SCHEDULES`):
   copy and Delta in shared memory, WG1 forms the scores and the output from
   them, one chunk behind WG0 at most.
 
+A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
+kernels' decayed operands and scores (``channel`` of :func:`forward`), as
+the Pallas per-channel scan and output kernels take them::
+
+  Delta = T diag(b) (V - (K e^g) S)
+  O     = scale (Q e^g) S + P Delta
+  S    <- diag(e^{g_C}) S + (K e^{g_C - g})^T Delta
+
+with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling S's rows. TMA
+brings ``Q e^g``, ``K e^g`` and ``K e^{g_C - g}`` in place of q, k and the
+gates, and P (float32, for its bf16 halves) into one slot of its own, the
+next chunk's once this chunk's output has read it: 218 KB of shared memory
+per CTA at K = 128 (187 KB for the per-head gate).
+
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
 """
@@ -54,18 +68,24 @@ from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 C = 64
 BV = 64  # value columns per CTA (= C: "transposed" stages P in [C, BV] tiles)
 SLOTS = 2  # chunks of input tiles in flight
-_INPUTS = 7  # TMA copies per chunk: q, k, v, T, the gate twice, beta
+# TMA copies per chunk: q, k, v, T, the gate twice, beta (per channel: Q e^g,
+# K e^g, v, T, K e^{g_C - g}, the gate at the chunk's end, beta).
+_INPUTS = 7
 SCHEDULES = ("one", "transposed", "specialized")
 
 
 class _Shared(NamedTuple):
-  """Shared memory: per-slot input tiles, then the per-chunk tiles."""
-  q: object       # [SLOTS, C, K]
-  k: object       # [SLOTS, C, K]
+  """Shared memory: per-slot input tiles, then the per-chunk tiles. A
+  per-channel scan has none of :data:`_SCALAR_ONLY` (its output tile is
+  ``y``) and a scalar-gate one none of :data:`_CHANNEL_ONLY`."""
+  q: object       # [SLOTS, C, K] (per channel: Q e^g)
+  k: object       # [SLOTS, C, K] (per channel: K e^g)
+  kd: object      # [SLOTS, C, K] per channel: K e^{g_C - g}
   v: object       # [SLOTS, C, BV]
   t: object       # [SLOTS, C, C]
   g_rows: object  # [SLOTS, C] float32, read per row
   g_cols: object  # [SLOTS, C] float32, read per column
+  g_end: object   # [SLOTS, K] float32 per channel: g at the chunk's end
   beta: object    # [SLOTS, C] float32
   s: object       # [K, BV] S's 16-bit copy
   y: object       # [C, BV] diag(b) (V - (K e^g) S) ("transposed": P)
@@ -74,9 +94,32 @@ class _Shared(NamedTuple):
   e: object       # [C, BV] e^{g_C - g} Delta ("transposed": P's rest)
   o: object       # [C, BV] the output tile
   f: object       # [K, BV] float32: the initial, then the final state
+  p: object       # [C, C] float32 per channel: P (one slot, own barrier)
   loaded: object  # SLOTS barriers: a slot's tiles arrived
   s0: object      # barrier: the initial state arrived
+  p_loaded: object  # barrier per channel: P arrived
 
+
+# A per-channel scan reads its decays from the decayed operands and g_end;
+# its output leaves through y (read by T Y before the output is stored).
+_SCALAR_ONLY = ("g_rows", "g_cols", "e", "o")
+_CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded")
+
+
+def _fields(per_channel):
+  """The :class:`_Shared` fields that a scan of this gate allocates."""
+  absent = _SCALAR_ONLY if per_channel else _CHANNEL_ONLY
+  return tuple(f for f in _Shared._fields if f not in absent)
+
+
+def _shared(refs, per_channel):
+  """``(_Shared, the remaining refs)`` from the kernel's scratch refs."""
+  present = _fields(per_channel)
+  named = dict(zip(present, refs))
+  sh = _Shared(**{f: named.get(f) for f in _Shared._fields})
+  if per_channel:
+    sh = sh._replace(o=sh.y)
+  return sh, refs[len(present):]
 
 
 class _Chunk(NamedTuple):
@@ -86,36 +129,68 @@ class _Chunk(NamedTuple):
   slot: object
   tokens: object
 
+  @property
+  def per_channel(self):
+    return self.sh.kd is not None
+
   def gates(self):
-    """``(g [C] per row, g at the chunk's end)``."""
+    """``(g [C] per row, g at the chunk's end)`` (a scalar gate's)."""
     return (self.mg.load(self.sh.g_rows.at[self.slot], ROWS),
             self.sh.g_rows[self.slot, C - 1])
 
   def delta(self, ks):
-    """Delta from ``K S`` (float32 ``[C, BV]``), staged in ``d_hi``,
-    ``d_lo``, and its decay to the chunk's end in ``e``."""
+    """Delta from ``K S`` (float32 ``[C, BV]``; per channel ``(K e^g) S``),
+    staged in ``d_hi``, ``d_lo``, and for a scalar gate its decay to the
+    chunk's end in ``e``."""
     mg, sh, slot = self.mg, self.sh, self.slot
-    g_row, g_end = self.gates()
+    g_row, g_end = (None, None) if self.per_channel else self.gates()
     tile = (C, BV)
     v = mg.load(sh.v.at[slot], WGMMA).astype(jnp.float32)
     beta = mg.load(sh.beta.at[slot], ROWS)
-    decayed_ks = compat.rows(jnp.exp(g_row), tile) * ks
-    sh.y[...] = (compat.rows(beta, tile) * (v - decayed_ks)).astype(
-        sh.y.dtype)
+    if g_row is not None:
+      ks = compat.rows(jnp.exp(g_row), tile) * ks
+    sh.y[...] = (compat.rows(beta, tile) * (v - ks)).astype(sh.y.dtype)
     plgpu.commit_smem()
     delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
     sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
-    sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
-        sh.y.dtype)
+    if g_row is not None:
+      sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
+          sh.y.dtype)
     plgpu.commit_smem()
 
+  def decay(self, s):
+    """``e^{g_C} S``: per channel, ``e^{g_C} [K]`` scales S's rows."""
+    if self.per_channel:
+      g_end = self.mg.load(self.sh.g_end.at[self.slot], ROWS)
+      return compat.rows(jnp.exp(g_end), s.shape) * s
+    return jnp.exp(self.gates()[1]) * s
+
   def update(self, s, also=()):
-    """``e^{g_C} S + K^T e`` (and the ``also`` products, waited for with
-    it)."""
-    _, g_end = self.gates()
-    return self.mg.products([
-        ([(compat.T(self.sh.k.at[self.slot]), self.sh.e)], s.shape,
-         jnp.exp(g_end) * s), *also])
+    """``e^{g_C} S + K^T e`` (per channel ``diag(e^{g_C}) S + (K e^{g_C -
+    g})^T Delta``, Delta's 16-bit rounding as in the Pallas scan), and the
+    ``also`` products, waited for with it."""
+    sh, slot = self.sh, self.slot
+    pair = ((compat.T(sh.kd.at[slot]), sh.d_hi) if self.per_channel
+            else (compat.T(sh.k.at[slot]), sh.e))
+    return self.mg.products([([pair], s.shape, self.decay(s)), *also])
+
+  def queries(self):
+    """The queries' product among the chunk's first ones: ``Q K^T`` (for
+    the scores) for a scalar gate, ``(Q e^g) S`` per channel (S staged)."""
+    sh, slot = self.sh, self.slot
+    if self.per_channel:
+      return [(sh.q.at[slot], sh.s)], (C, BV), None
+    return [(sh.q.at[slot], compat.T(sh.k.at[slot]))], (C, C), None
+
+  def outputs(self, read, scale):
+    """The products of the output from :meth:`queries`' result."""
+    if not self.per_channel:
+      return self.output(self.scores(read, scale), scale)
+    # As the Pallas per-channel output kernel: scale (Q e^g) S + P Delta,
+    # P (scale included) from intra.forward in float32.
+    plgpu.barrier_wait(self.sh.p_loaded)
+    p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.sh.y.dtype)
+    return self.p_delta(p), (C, BV), scale * read
 
   def scores(self, qk, scale):
     """``P = scale Gamma * Q K^T`` from ``qk``: its bf16 halves."""
@@ -128,15 +203,20 @@ class _Chunk(NamedTuple):
         - lax.broadcast_in_dim(g_col, square, [1]), -jnp.inf))
     return ut.halves(scale * gamma * qk, self.sh.y.dtype)
 
+  def p_delta(self, p):
+    """The pairs of ``P Delta`` in three bf16 passes from P's halves (the
+    product of the rests dropped; Delta's halves staged)."""
+    (p_hi, p_lo), sh = p, self.sh
+    return [(p_hi, sh.d_hi), (p_lo, sh.d_hi), (p_hi, sh.d_lo)]
+
   def output(self, p, scale):
     """The products of ``O = ((scale e^g) Q) S + P Delta`` (``p``: P's
     halves; Delta and S staged)."""
-    sh, (p_hi, p_lo) = self.sh, p
+    sh = self.sh
     g_row, _ = self.gates()
     q = self.mg.load(sh.q.at[self.slot], WGMMA).astype(jnp.float32)
     qg = (q * compat.rows(scale * jnp.exp(g_row), q.shape)).astype(sh.y.dtype)
-    return ([(qg, sh.s), (p_hi, sh.d_hi), (p_lo, sh.d_hi),
-             (p_hi, sh.d_lo)], (C, BV), None)
+    return [(qg, sh.s), *self.p_delta(p)], (C, BV), None
 
   def delta_transposed(self, ks_t):
     """``Delta^T = Y^T T^T`` from ``(K S)^T`` (float32 ``[BV, C]``), with
@@ -185,26 +265,36 @@ class _Chunk(NamedTuple):
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, schedule):
+          scale, save, schedule, per_channel):
+  kd_ref, p_ref = refs[:2] if per_channel else (None, None)
+  refs = refs[2:] if per_channel else refs
   o_ref, final_ref, *refs = refs
   states_ref, delta_ref = refs[:2] if save else (None, None)
   refs = refs[2:] if save else refs
-  sh = _Shared(*refs[:len(_Shared._fields)])
-  sync = refs[len(_Shared._fields):]
+  sh, sync = _shared(refs, per_channel)
   bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
   n_chunks = q_ref.shape[1] // C
 
   def issue(n, slot):
     tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
-    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
-                     (k_ref.at[bi, tokens, hk], sh.k),
-                     (v_ref.at[bi, tokens, h, cols], sh.v),
-                     (t_ref.at[bi, h, tokens], sh.t),
-                     (g_ref.at[bi, h, tokens], sh.g_rows),
-                     (g_ref.at[bi, h, tokens], sh.g_cols),
-                     (b_ref.at[bi, h, tokens], sh.beta)):
+    copies = [(q_ref.at[bi, tokens, hk], sh.q),
+              (k_ref.at[bi, tokens, hk], sh.k),
+              (v_ref.at[bi, tokens, h, cols], sh.v),
+              (t_ref.at[bi, h, tokens], sh.t)]
+    if per_channel:
+      copies += [(kd_ref.at[bi, tokens, h], sh.kd),
+                 (g_ref.at[bi, h, n], sh.g_end)]
+    else:
+      copies += [(g_ref.at[bi, h, tokens], sh.g_rows),
+                 (g_ref.at[bi, h, tokens], sh.g_cols)]
+    for src, dst in (*copies, (b_ref.at[bi, h, tokens], sh.beta)):
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
+
+  def issue_scores(n):
+    """Chunk n's P (per channel) into its one slot."""
+    plgpu.copy_gmem_to_smem(p_ref.at[bi, h, pl.ds(n * C, C)], sh.p,
+                            sh.p_loaded)
 
   def chunk(n):
     return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds(n * C, C))
@@ -287,16 +377,21 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     def step(n, s):
       x = begin(n)
       publish_state(s)
-      ks, qk = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
-                            ([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))],
-                             (C, C), None)])
+      ks, read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
+                              x.queries()])
       x.delta(ks)
       save_chunk(n, x)
-      s, o = x.update(s, also=[x.output(x.scores(qk, scale), scale)])
+      s, o = x.update(s, also=[x.outputs(read, scale)])
       x.store_output(o, o_ref, (bi, x.tokens, h, cols))
+      if per_channel:
+        @pl.when(n + 1 < n_chunks)
+        def _next_scores():  # this chunk's P was read (store_output syncs)
+          issue_scores(n + 1)
       return s
 
     issue(0, 0)
+    if per_channel:
+      issue_scores(0)
     final_state(lax.fori_loop(0, n_chunks, step, initial_state()))
     return
 
@@ -376,7 +471,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            schedule="one"):
+            schedule="one", channel=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -389,6 +484,11 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
     scale: Python float multiplying q.
     save: also return the chunk-entry states and Delta.
     schedule: one of :data:`SCHEDULES`.
+    channel: for a per-channel gate (schedule "one" only), ``(kd, p)``:
+      ``K e^{g_C - g} [B, T, HV, K]`` in q's dtype and ``P = scale Gamma *
+      Q K^T [B, HV, T, C]`` float32 (:func:`deltajax.pallas.intra.forward`);
+      q and k are then ``Q e^g`` and ``K e^g`` (``[B, T, HV, K]``) and g
+      the gate at each chunk's end, ``[B, HV, T / C, K]`` float32.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32)``,
@@ -397,6 +497,10 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
+  per_channel = channel is not None
+  if per_channel and schedule != "one":
+    raise ValueError(f"schedule {schedule!r} has only the per-head gate; "
+                     f"the per-channel one runs in schedule 'one'")
   bsz, t_len, h, dk = k.shape
   heads, dv = v.shape[2:]
   dtype = v.dtype
@@ -410,14 +514,18 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
                  jax.ShapeDtypeStruct(v.shape, dtype)]
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
   tile = compat.smem((C, BV), dtype)
-  scratch = [compat.smem((SLOTS, C, dk), dtype),
-             compat.smem((SLOTS, C, dk), dtype),
-             compat.smem((SLOTS, C, BV), dtype),
-             compat.smem((SLOTS, C, C), dtype), vec, vec, vec,
-             compat.smem((dk, BV), dtype), tile, tile, tile, tile, tile,
-             compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
-             plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
-             plgpu.Barrier(num_arrivals=1)]
+  keys = compat.smem((SLOTS, C, dk), dtype)
+  types = dict(
+      q=keys, k=keys, kd=keys, v=compat.smem((SLOTS, C, BV), dtype),
+      t=compat.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
+      g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
+      s=compat.smem((dk, BV), dtype), y=tile, d_hi=tile, d_lo=tile, e=tile,
+      o=tile,
+      f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
+      p=compat.smem((C, C), jnp.float32),
+      loaded=plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
+      s0=plgpu.Barrier(num_arrivals=1), p_loaded=plgpu.Barrier(num_arrivals=1))
+  scratch = [types[f] for f in _fields(per_channel)]
   threads = {}
   if schedule == "specialized":
     scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
@@ -425,10 +533,11 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
                 plgpu.Barrier(num_arrivals=3)]
     threads = dict(num_threads=3, thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             save=save, schedule=schedule)
+                             save=save, schedule=schedule,
+                             per_channel=per_channel)
   o, final, *saved = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_scan", **threads,
-  )(q, k, v, t, g, b, initial_state)
+  )(q, k, v, t, g, b, initial_state, *(channel or ()))
   return o, jnp.swapaxes(final, 2, 3) if transposed else final, *saved
