@@ -262,7 +262,8 @@ def implementations_for(shape, only=None, gate="gdn"):
   impls = ["chunked"]
   if jax.default_backend() == "gpu":
     impls.append("pallas")
-    if gate == "gdn" and pallas.gpu_capability() >= mosaic.MIN_CAPABILITY:
+    if gate in ("gdn", "kda") and (pallas.gpu_capability()
+                                   >= mosaic.MIN_CAPABILITY):
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
