@@ -139,13 +139,13 @@ REGISTRY = {
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
         auto_gates=("head", "channel", "gdn2")),
     # Hopper only; faster than "pallas" on the H200, forward and
-    # forward+backward, at every shape timed (benchmarks/RESULTS.md, run L).
+    # forward+backward, at every shape timed (benchmarks/RESULTS.md, runs L
+    # and N: the per-head gate at six shapes, the per-channel one at four).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
-        max_head_dim=mosaic.MAX_HEAD_DIM,
-        auto_gates=("head",)),  # the per-channel gate is untimed on a GPU
+        max_head_dim=mosaic.MAX_HEAD_DIM),
 }
 
 # The kernels "auto" considers, fastest first.
