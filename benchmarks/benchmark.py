@@ -121,7 +121,6 @@ MOSAIC_VARIANTS = {
        for name in mosaic.BACKWARD},
     "mosaic:wide": dict(narrow_dk=False),
     "mosaic:ws": dict(schedule="specialized"),
-    "mosaic:st": dict(schedule="transposed"),
 }
 
 

@@ -107,12 +107,12 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     cut, chunk_seq: must be None (no packed sequences).
     scale: Python float multiplying q.
     chunk_size: 64.
-    schedule: the scan's (:data:`scan.SCHEDULES`): "one" warpgroup (the
-      one timed), "transposed" (one, carrying the transposed state) or
-      "specialized" (three: state, output, TMA); with either of the last
-      two the backward's reverse pass carries the transposed state too.
-      They have not yet run on the H200 (benchmarks/benchmark.py --impls
-      mosaic:st mosaic:ws times them).
+    schedule: the scan's (:data:`scan.SCHEDULES`): "one" warpgroup or
+      "specialized" (three: state, output, TMA; the per-head gate only),
+      with which the backward's reverse pass carries the transposed state
+      too. "specialized" took 13 % off the forward at (4, 4096, 16, 128)
+      on the H200 (RESULTS run N: benchmark.py --impls mosaic:ws) but its
+      gradients are not yet checked there.
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
       the H200, RESULTS run L) or :func:`ut.inverse`.

@@ -165,7 +165,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
     d_delta_local: ``[B, T, HV, V]`` float32, the output's share of dDelta.
     d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
     scale: Python float multiplying q.
-    transposed: carry ``dS^T`` (as :mod:`scan`'s "transposed" schedule
+    transposed: carry ``dS^T`` (as :mod:`scan`'s "specialized" schedule
       carries ``S^T``) instead of dS.
 
   Returns:

@@ -17,21 +17,18 @@ with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
 falls within the chunk; above the diagonal the difference is masked to
 ``-inf`` before ``exp``, seed section 4.1).
 
-Three schedules of the same steps (:data:`SCHEDULES`):
+Two schedules of the same steps (:data:`SCHEDULES`):
 
 * ``"one"``: one warpgroup does everything, in order; TMA brings the next
   chunk's q, k, v, T, gate and beta into the other of two shared-memory
   slots meanwhile;
-* ``"transposed"``: one warpgroup as ``"one"``, carrying ``S^T [BV, K]``
-  instead, so that every product on the sequential path takes its left
-  operand from registers (``S^T K^T``, ``Y^T T^T``, ``E^T K``) and nothing
-  is staged in shared memory between them; the output is formed transposed
-  too, ``O^T = S^T Q^T diag(scale e^g) + Delta^T P^T``, with P staged;
 * ``"specialized"``: three warpgroups: WG2 streams the chunks' tiles through
-  two slots, WG0 carries ``S^T`` as ``"transposed"`` does (only ``K S``,
-  ``T Y`` and the update are on the sequential path) and publishes S's bf16
-  copy and Delta in shared memory, WG1 forms the scores and the output from
-  them, one chunk behind WG0 at most.
+  two slots, WG0 carries ``S^T [BV, K]`` so that the products on the
+  sequential path (``S^T K^T``, ``Y^T T^T``, ``E^T K``) take their left
+  operands from registers, and publishes S's bf16 copy and Delta in shared
+  memory while the update runs, WG1 forms the scores and the output from
+  them, one chunk behind WG0 at most. (One warpgroup carrying ``S^T`` alone
+  was no faster than ``"one"`` on the H200, RESULTS run N.)
 
 A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
 kernels' decayed operands and scores (``channel`` of :func:`forward`), as
@@ -66,12 +63,12 @@ from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 
 C = 64
-BV = 64  # value columns per CTA (= C: "transposed" stages P in [C, BV] tiles)
+BV = 64  # value columns per CTA
 SLOTS = 2  # chunks of input tiles in flight
 # TMA copies per chunk: q, k, v, T, the gate twice, beta (per channel: Q e^g,
 # K e^g, v, T, K e^{g_C - g}, the gate at the chunk's end, beta).
 _INPUTS = 7
-SCHEDULES = ("one", "transposed", "specialized")
+SCHEDULES = ("one", "specialized")
 
 
 class _Shared(NamedTuple):
@@ -88,10 +85,10 @@ class _Shared(NamedTuple):
   g_end: object   # [SLOTS, K] float32 per channel: g at the chunk's end
   beta: object    # [SLOTS, C] float32
   s: object       # [K, BV] S's 16-bit copy
-  y: object       # [C, BV] diag(b) (V - (K e^g) S) ("transposed": P)
+  y: object       # [C, BV] diag(b) (V - (K e^g) S)
   d_hi: object    # [C, BV] Delta, and the rest of it
   d_lo: object
-  e: object       # [C, BV] e^{g_C - g} Delta ("transposed": P's rest)
+  e: object       # [C, BV] e^{g_C - g} Delta
   o: object       # [C, BV] the output tile
   f: object       # [K, BV] float32: the initial, then the final state
   p: object       # [C, C] float32 per channel: P (one slot, own barrier)
@@ -220,7 +217,7 @@ class _Chunk(NamedTuple):
 
   def delta_transposed(self, ks_t):
     """``Delta^T = Y^T T^T`` from ``(K S)^T`` (float32 ``[BV, C]``), with
-    ``Y^T = (V^T - (K S)^T e^g) diag(b)``: the transposed schedule's, every
+    ``Y^T = (V^T - (K S)^T e^g) diag(b)``: the specialized schedule's, every
     operand but T in registers."""
     mg, sh, slot = self.mg, self.sh, self.slot
     tile = (BV, C)
@@ -251,15 +248,10 @@ class _Chunk(NamedTuple):
     return ([(e_t.astype(sh.s.dtype), sh.k.at[slot])], s_t.shape,
             jnp.exp(g_end) * s_t)
 
-  def store_output(self, o, o_ref, at, transposed=False):
-    """``o`` (or ``o^T``) to HBM through ``sh.o`` (after the previous tile
-    left)."""
+  def store_output(self, o, o_ref, at):
+    """``o`` to HBM through ``sh.o`` (after the previous tile left)."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o = o.astype(self.sh.o.dtype)
-    if transposed:
-      self.mg.store_transposed(self.sh.o, o)
-    else:
-      self.sh.o[...] = o
+    self.sh.o[...] = o.astype(self.sh.o.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(self.sh.o, o_ref.at[at])
 
@@ -320,7 +312,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       plgpu.copy_smem_to_gmem(sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
 
   def begin(n):
-    """Chunk n of the one-warpgroup schedules, once its tiles are in, the
+    """Chunk n of the one-warpgroup schedule, once its tiles are in, the
     next chunk's are on their way and chunk n - 1's stores have left."""
     x = chunk(n)
     plgpu.barrier_wait(sh.loaded.at[x.slot])
@@ -338,40 +330,6 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref))
     plgpu.wait_smem_to_gmem(0)
-
-  if schedule == "transposed":
-    def transposed_step(n, s_t):
-      x = begin(n)
-      s_lo, k_t = s_t.astype(sh.s.dtype), compat.T(sh.k.at[x.slot])
-      ks_t, qs_t, qk = mg.products([
-          ([(s_lo, k_t)], (BV, C), None),
-          ([(s_lo, compat.T(sh.q.at[x.slot]))], (BV, C), None),
-          ([(sh.q.at[x.slot], k_t)], (C, C), None)])
-      delta_t = x.delta_transposed(ks_t)
-      d_hi, d_lo = ut.halves(delta_t, sh.s.dtype)
-      # P's halves in y and e, read transposed: (P Delta)^T = Delta^T P^T.
-      sh.y[...], sh.e[...] = x.scores(qk, scale)
-      plgpu.commit_smem()
-
-      def save_state_and_delta():  # while the products run
-        if save:
-          x.publish_transposed(s_lo, d_hi, None)
-          save_chunk(n, x)
-
-      p_hi, p_lo = compat.T(sh.y), compat.T(sh.e)
-      s_t, pd = mg.products(
-          [x.update_transposed(s_t, delta_t),
-           ([(d_hi, p_hi), (d_lo, p_hi), (d_hi, p_lo)], (BV, C), None)],
-          meanwhile=save_state_and_delta)
-      g_col = mg.load(sh.g_cols.at[x.slot], COLS)
-      o_t = pd + lax.broadcast_in_dim(scale * jnp.exp(g_col), pd.shape,
-                                      [1]) * qs_t
-      x.store_output(o_t, o_ref, (bi, x.tokens, h, cols), transposed=True)
-      return s_t
-
-    issue(0, 0)
-    final_state(lax.fori_loop(0, n_chunks, transposed_step, initial_state()))
-    return
 
   if schedule == "one":
     def step(n, s):
