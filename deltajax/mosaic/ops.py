@@ -50,7 +50,6 @@ from deltajax.mosaic import scan
 from deltajax.mosaic import ut_backward
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
-from deltajax.pallas import intra as pallas_intra
 from deltajax.pallas import ops as pallas_ops
 from deltajax.pallas import output as pallas_output
 from deltajax.pallas import state as pallas_state
@@ -205,23 +204,14 @@ def _inverse(mg, kind, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _per_channel_inputs(mg, scale, q, k, a, b):
-  """The per-channel scan's inputs from the Pallas kernels, as
-  :func:`deltajax.pallas.ops.gated_delta_pallas` forms them: ``(Q e^g, K
-  e^g, g at each chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g},
-  P))``, P ``[B, HV, T, C]`` float32 with the scale."""
-  config = pallas_core.KernelConfig().resolve()
-  launch = functools.partial(config.launch, per_channel=True)
-  shared = dict(chunk_size=CHUNK, interpret=mg.interpret, dot=config.dot)
-  heads = a.shape[2]
-  g, beta, _, (qg, kg, kd) = pallas_ops.gates(
-      a, b, None, CHUNK, jnp.float32, k.shape[-1], mg.interpret,
-      from_start=(q, k), to_end=(k,))
-  a_kk, p = pallas_intra.forward(q=q, k=k, g=g, cuts=None, heads=heads,
-                                 scale=scale, launch=launch("intra"),
-                                 **shared)
-  t = pallas_ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
-                        launch=launch("inverse"), **shared)
+def _per_channel_inputs(scale, q, k, a, b):
+  """The per-channel scan's inputs from the Pallas kernels
+  (:func:`deltajax.pallas.ops.before_scan`): ``(Q e^g, K e^g, g at each
+  chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P))``, P ``[B,
+  HV, T, C]`` float32 with the scale."""
+  g, beta, _, (qg, kg, kd), t, p = pallas_ops.before_scan(
+      scale, CHUNK, pallas_core.KernelConfig().resolve(), q, k, None, a, b,
+      None, heads=a.shape[2], dtype=jnp.float32)
   return qg, kg, g[:, :, CHUNK - 1::CHUNK], beta, t, (kd, p)
 
 
@@ -233,7 +223,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   vp = common.pad_axis(v, 3, _width(n_v))
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
   if a.shape[-1] > 1:
-    q, k, g, beta, t, channel = _per_channel_inputs(mg, scale, q, k, a, b)
+    q, k, g, beta, t, channel = _per_channel_inputs(scale, q, k, a, b)
   else:
     g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                      q.shape[-1], mg.interpret)

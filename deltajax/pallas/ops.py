@@ -175,26 +175,12 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  krp = _pad_keys(kr, kp)
-  # Per channel: Q e^g for the output, Kr e^g (the read keys, K without kr)
-  # and K e^{g_C - g} for the scan.
-  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                                 config.interpret,
-                                 from_start=(qp, kp if kr is None else krp),
-                                 to_end=(kp,))
+  g, beta, cuts, decayed, t, p = before_scan(
+      scale, chunk_size, config, qp, kp, _pad_keys(kr, kp), a, b, cut,
+      heads=v.shape[2], dtype=acc)
   qg, *keys = decayed or (None,)
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   s0 = pad_state(initial_state, kp.shape[-1], vp.shape[-1])
-  heads = v.shape[2]
-  if g.ndim == 4:
-    a_kk, p = intra.forward(q=qp, k=kp, kr=krp, g=g, cuts=cuts, heads=heads,
-                            scale=scale, launch=launch("intra"), **shared)
-    t = ut.inverse(k=kp, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
-                   launch=launch("inverse"), **shared)
-  else:
-    t = ut.inverse(k=kp, g=g, b=beta, cuts=cuts, a=None, heads=heads,
-                   launch=launch("inverse"), **shared)
-    p = None
   delta, states, final = state.forward_scan(
       t=t, k=kp, v=vp, g=g, b=beta, cuts=cuts, chunk_seq=chunk_seq,
       initial_state=s0, decayed=keys or None, launch=launch("forward_scan"),
@@ -207,6 +193,38 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
                       final)
   return (o[..., :v.shape[-1]], final), (t, states, delta, p)
+
+
+def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
+                dtype):
+  """The forward's parallel steps before the state scan, on q, k (and the
+  read keys kr) padded as :func:`_padded` pads them: the gates
+  (:func:`gates`), per channel the intra-chunk scores
+  (:func:`intra.forward`), and T (:func:`ut.inverse`).
+
+  Returns:
+    ``(g, beta, cuts, decayed, t, p)``: :func:`gates`' first three;
+    ``decayed`` (per channel, else None): ``Q e^g`` for the output,
+    ``Kr e^g`` (the read keys, K without kr) and ``K e^{g_C - g}`` for the
+    scan, ``[B, T, HV, K]``; T ``[B, HV, T, C]``; ``p`` (per channel, else
+    None): ``P = scale Gamma * Q K^T [B, HV, T, C]``.
+  """
+  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, dtype, k.shape[-1],
+                                 config.interpret,
+                                 from_start=(q, k if kr is None else kr),
+                                 to_end=(k,))
+  shared = dict(chunk_size=chunk_size, interpret=config.interpret,
+                dot=config.dot)
+  launch = functools.partial(config.launch, per_channel=g.ndim == 4)
+  if g.ndim == 3:
+    return g, beta, cuts, None, ut.inverse(
+        k=k, g=g, b=beta, cuts=cuts, a=None, heads=heads,
+        launch=launch("inverse"), **shared), None
+  a_kk, p = intra.forward(q=q, k=k, kr=kr, g=g, cuts=cuts, heads=heads,
+                          scale=scale, launch=launch("intra"), **shared)
+  t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
+                 launch=launch("inverse"), **shared)
+  return g, beta, cuts, decayed, t, p
 
 
 def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
