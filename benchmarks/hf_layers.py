@@ -40,7 +40,8 @@ MODELS = {
 
 
 def torch_module(name, torch, transformers):
-  """transformers' layer (CUDA, bf16) and the config's dict."""
+  """transformers' layer (CUDA, bf16), seeded, and the config's dict."""
+  torch.manual_seed(0)
   if name == "qwen3_next":
     config = transformers.Qwen3NextConfig(**MODELS[name])
     module = (transformers.models.qwen3_next.modeling_qwen3_next
@@ -49,7 +50,19 @@ def torch_module(name, torch, transformers):
     config = transformers.KimiLinearConfig(**MODELS[name])
     module = (transformers.models.kimi_linear.modeling_kimi_linear
               .KimiLinearDeltaAttention(config, 0))
+    initialise_kimi_gate(torch, module.forget_gate)
   return module.to("cuda", torch.bfloat16), config.to_dict()
+
+
+def initialise_kimi_gate(torch, gate):
+  """Kimi's gate parameters as its model's init sets them (the bare module
+  leaves ``A_log`` and ``dt_bias`` as ``torch.empty``: values up to 1e38
+  that made transformers' output NaN): rates ``exp(A_log)`` uniform in
+  [1, 16], ``softplus(dt_bias)`` log-uniform in [1e-3, 0.1]."""
+  with torch.no_grad():
+    gate.A_log.copy_(torch.empty_like(gate.A_log).uniform_(1, 16).log())
+    dt = torch.empty_like(gate.dt_bias).uniform_(-6.9078, -2.3026).exp()
+    gate.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
 def time_torch(torch, module, x, dy, reps):
