@@ -47,7 +47,8 @@ def _inputs(t, d, seed, bsz=2, h=2, hv=None, per_channel=False, gate_div=4.0,
 
 def _run(impl, args, cotangents, pieces=None, **options):
   """``args``: ``(q, k, v, a, b, s0)``, or ``(q, k, v, a, b, w, s0)`` for
-  Gated DeltaNet-2; ``pieces``: through
+  Gated DeltaNet-2; ``impl``: a registry name, or a function ``(q, k, v,
+  a, b, s0) -> (o, final state)``; ``pieces``: through
   :func:`deltajax.parallel.gated_delta_in_pieces` (not Gated DeltaNet-2)."""
   gdn2 = len(args) == 7
   rule = deltajax.gdn2 if gdn2 else deltajax.gated_delta
@@ -56,6 +57,8 @@ def _run(impl, args, cotangents, pieces=None, **options):
                              pieces=pieces)
 
   def f(*x):
+    if callable(impl):
+      return impl(*x)
     return rule(*x[:-1], initial_state=x[-1], impl=impl,
                 return_final_state=True, **options)
   (o, s), vjp = jax.vjp(f, *args)
@@ -113,6 +116,24 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
   value heads in the last case."""
   args, cts = _inputs(t, d, seed=t * 1000 + d, hv=hv)
   _check("mosaic", args, cts, label=f"mosaic T={t} D={d} HV={hv}")
+
+
+@pytest.mark.skipif(pallas.gpu_capability() is None
+                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
+                    reason="impl='mosaic' needs Hopper (compute capability 9.0)")
+@pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
+                                    (1024, 100, 4), (4096, 128, None)])
+def test_mosaic_specialized_schedule_matches_float64_reference(t, d, hv):
+  """The three-warpgroup scan (``schedule="specialized"``) and the reverse
+  pass carrying ``dS^T`` that goes with it, called directly (T a multiple
+  of the chunk), on one chunk, K = 64, a padded head dim with grouped
+  value heads, and a long sequence."""
+  def specialized(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
+        chunk_size=mosaic.CHUNK, schedule="specialized")
+  args, cts = _inputs(t, d, seed=t * 1000 + d + 7, hv=hv)
+  _check(specialized, args, cts, label=f"specialized T={t} D={d} HV={hv}")
 
 
 @pytest.mark.skipif(pallas.gpu_capability() is None
