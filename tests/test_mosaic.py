@@ -136,6 +136,54 @@ def test_mosaic_per_channel_strong_gates_stay_finite():
                     initial_state=0.1 * x.initial_state))
 
 
+def _reverse_reference(qg, kd, w, g_end, d_o, d_delta_local, d_final, scale):
+  """:func:`reverse.backward`'s per-channel contract in float64: ``(d_delta,
+  d_next, d_initial)``."""
+  qg, kd, w, g_end, d_o, ds = (np.asarray(x, np.float64) for x in (
+      qg, kd, w, g_end, d_o, d_final))
+  c = scan.C
+  d_delta = np.array(d_delta_local, np.float64)
+  d_next = np.empty((*g_end.shape, ds.shape[-1]))
+  for n in reversed(range(g_end.shape[2])):
+    rows = slice(n * c, n * c + c)
+    d_next[:, :, n] = ds
+    d_delta[:, rows] += np.einsum("bthk,bhkv->bthv", kd[:, rows], ds)
+    ds = (np.exp(g_end[:, :, n])[..., None] * ds
+          + scale * np.einsum("bthk,bthv->bhkv", qg[:, rows], d_o[:, rows])
+          - np.einsum("bthk,bthv->bhkv", w[:, rows], d_delta[:, rows]))
+  return d_delta, d_next, ds
+
+
+@pytest.mark.parametrize("dk,dv", [(64, 128), (128, 64)])
+def test_reverse_per_channel_matches_float64(dk, dv):
+  """The reverse pass on a per-channel gate's decayed operands, three chunks
+  of strong gates (:func:`utils.strong_kda_inputs`: some channels forgotten
+  within the first chunk, others at single tokens, the rest kept), against
+  float64 on the same 16-bit operands; the transposed pass refuses them."""
+  x = utils.strong_kda_inputs(dk + dv, length=192, heads=2, key_dim=dk,
+                              value_dim=dv)
+  c, rng = scan.C, np.random.default_rng(dk)
+  g = np.cumsum(x.a.reshape(1, -1, c, 2, dk), axis=2).reshape(x.a.shape)
+  g_end = g[:, c - 1::c]
+  bf16 = lambda y: jnp.asarray(y, jnp.bfloat16)
+  normal = lambda *shape: rng.standard_normal(shape)
+  args = (bf16(x.q * np.exp(g)),
+          bf16(x.k * np.exp(np.repeat(g_end, c, axis=1) - g)),
+          bf16(0.1 * normal(1, 192, 2, dk)),
+          jnp.asarray(np.moveaxis(g_end, 1, 2), jnp.float32),
+          bf16(normal(1, 192, 2, dv)),
+          jnp.asarray(normal(1, 192, 2, dv), jnp.float32),
+          jnp.asarray(normal(1, 2, dk, dv), jnp.float32))
+  mg = compat.Mosaic(interpret=True)
+  got = reverse.backward(mg, *args, scale=0.1, per_channel=True)
+  for name, x, want in zip(("d_delta", "d_next", "d_initial"), got,
+                           _reverse_reference(*args, scale=0.1)):
+    err = utils.relative_rms_error(np.asarray(x, np.float64), want)
+    assert err < 1e-2, (name, err)
+  with pytest.raises(ValueError, match="per-head gate"):
+    reverse.backward(mg, *args, scale=0.1, transposed=True, per_channel=True)
+
+
 def _contract_inputs(seed, **shape):
   """``(args, cotangents)`` for :func:`mosaic.gated_delta_mosaic` itself: bf16
   q, k, v, float32 a ``[..., 1]``, b and initial state; the cotangents of

@@ -24,9 +24,10 @@ gate, the decayed operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, the
 intra-chunk scores and T (:func:`deltajax.pallas.intra.forward`,
 :func:`deltajax.pallas.ut.inverse`), as ``impl="pallas"`` does; the scan
 and the output are :func:`scan.forward`'s (schedule "one"), and the backward
-is the Pallas one (:func:`deltajax.pallas.ops.backward`: the Mosaic
-backward kernels take the per-head gate only) on the residuals it keeps
-(with P).
+is the Pallas one (:func:`deltajax.pallas.ops.backward`) on the residuals
+it keeps (with P), but for the reverse state pass, which runs in Mosaic
+GPU (:func:`reverse.backward` on the decayed operands) where ``backward``
+has it (the other Mosaic backward kernels take the per-head gate only).
 
 Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
 dims up to 128 (zero-padded to 64 or 128), grouped value heads (the kernels
@@ -69,6 +70,18 @@ class _BackwardKernel(NamedTuple):
   widths: tuple[str, ...]  # arguments whose last dim must be 64 or 128
 
 
+def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
+             **options):
+  """:func:`reverse.backward` on the Pallas pass's arguments: per channel
+  (``decayed``: ``(Q e^g, K e^{g_C - g})``), those and g at each chunk's end
+  in place of q, k and g."""
+  if decayed is not None:
+    (q, k), g = decayed, g[:, :, CHUNK - 1::CHUNK]
+  return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
+                          scale=scale, per_channel=decayed is not None,
+                          **options)
+
+
 _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
         "w_u", ut.w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
@@ -77,9 +90,9 @@ _BACKWARD_KERNELS = {
         pallas_output.output_backward,
         ("q", "k", "g", "states", "delta", "d_o", "scale"), ("q", "d_o")),
     "reverse": _BackwardKernel(
-        "backward_scan", reverse.backward, pallas_state.backward_scan,
-        ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final", "scale"),
-        ("q", "d_o")),
+        "backward_scan", _reverse, pallas_state.backward_scan,
+        ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final", "scale",
+         "decayed"), ("q", "d_o")),
     "ut": _BackwardKernel(
         "ut_backward", ut_backward.ut_backward, pallas_ut.ut_backward,
         ("k", "v", "g", "b", "t", "states", "d_next", "delta",
@@ -100,7 +113,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float16 (the products take them as they are). K, V <= 128.
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet)
       or ``W = K`` (KDA, per key channel: schedule "one", the Pallas
-      inverse, and the Pallas backward whatever ``backward`` says).
+      inverse, and of ``backward`` only "reverse" in Mosaic GPU).
     b: ``[B, T, HV]`` beta.
     initial_state: ``[B, HV, K, V]``.
     cut, chunk_seq: must be None (no packed sequences).
@@ -289,8 +302,8 @@ def _kernel_options(schedule, names, narrow_dk):
 
 def _bwd(scale, plan, backward, residuals, cotangents):
   names, narrow_dk = backward
-  if residuals[3].shape[-1] > 1:  # a per-channel gate: the Pallas backward
-    names = ()
+  if residuals[3].shape[-1] > 1:  # a per-channel gate: Mosaic's reverse pass
+    names = tuple(n for n in names if n == "reverse")
   options = _kernel_options(plan[0], names, narrow_dk)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:

@@ -1,11 +1,11 @@
 """The reverse state pass in Mosaic GPU: the state's cotangent, by chunks.
 
 The transpose of :mod:`scan`'s state update, and the contract of
-:func:`deltajax.pallas.state.backward_scan` for the per-head gate. One CTA
-(one warpgroup) per (batch, value head, block of BV = 64 value columns) walks
-the chunks from the last, with the cotangent ``dS [K, BV]`` of the chunk's
-exit state in float32 registers (a wgmma accumulator). Per chunk (GDN seed,
-section 3.3; ``g`` the chunk-local cumulative gate)::
+:func:`deltajax.pallas.state.backward_scan`. One CTA (one warpgroup) per
+(batch, value head, block of BV = 64 value columns) walks the chunks from
+the last, with the cotangent ``dS [K, BV]`` of the chunk's exit state in
+float32 registers (a wgmma accumulator). Per chunk (GDN seed, section 3.3;
+``g`` the chunk-local cumulative gate)::
 
   dDelta = dDelta_local + e^{g_C - g} * (K dS)
   dS    <- e^{g_C} dS + Q^T (scale e^g * dO) - W^T dDelta
@@ -13,11 +13,24 @@ section 3.3; ``g`` the chunk-local cumulative gate)::
 as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
 staged in shared memory) and float32 accumulation; or, ``transposed``, on
 ``dS^T [BV, K]``, with every left operand in registers (``dS^T K^T``, then
-``(scale e^g dO)^T Q - dDelta^T W``). Every exponent is ``<= 0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local into the
-other of two shared-memory slots meanwhile, and takes each chunk's ``dS``
-and dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes
-them to its products so (the Pallas pass writes dDelta in float32 over
+``(scale e^g dO)^T Q - dDelta^T W``). Every exponent is ``<= 0``. TMA
+brings the next chunk's q, k, W, gate, dO and dDelta_local into the other
+of two shared-memory slots meanwhile, and takes each chunk's ``dS`` and
+dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes them
+to its products so (the Pallas pass writes dDelta in float32 over
 dDelta_local, in place; here, without aliasing, the 16-bit copy halves it).
+
+A per-channel gate (KDA; not ``transposed``) comes as the Pallas kernels'
+decayed operands (``per_channel`` of :func:`backward`), as the Pallas
+per-channel pass takes them::
+
+  dDelta = dDelta_local + (K e^{g_C - g}) dS
+  dS    <- diag(e^{g_C}) dS + (Q e^g)^T (scale dO) - W^T dDelta
+
+with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling dS's rows: TMA
+brings ``Q e^g`` and ``K e^{g_C - g}`` in place of q and k, and the gate at
+the chunk's end in place of the gate: 217 KB of shared memory per CTA at
+K = 128 (216 KB for the per-head gate).
 """
 
 from __future__ import annotations
@@ -40,14 +53,14 @@ _INPUTS = 6  # TMA copies per chunk: q, k, W, the gate, dO, dDelta_local
 
 class _Shared(NamedTuple):
   """Shared memory: per-slot input tiles, then the per-chunk tiles."""
-  q: object       # [SLOTS, C, K]
-  k: object       # [SLOTS, C, K]
+  q: object       # [SLOTS, C, K] (per channel: Q e^g)
+  k: object       # [SLOTS, C, K] (per channel: K e^{g_C - g})
   w: object       # [SLOTS, C, K]
-  g: object       # [SLOTS, C] float32
+  g: object       # [SLOTS, C] float32 (per channel [SLOTS, K]: g_C)
   d_o: object     # [SLOTS, C, BV]
   dd: object      # [SLOTS, C, BV] float32 dDelta_local
   ds: object      # [K, BV] dS's 16-bit copy
-  read: object    # [C, BV] scale e^g * dO
+  read: object    # [C, BV] scale e^g * dO (per channel: scale dO)
   neg: object     # [C, BV] -dDelta
   out: object     # [C, BV] dDelta
   f: object       # [K, BV] float32: dS of the final, then the initial state
@@ -55,10 +68,9 @@ class _Shared(NamedTuple):
   final: object   # barrier: dS of the final state arrived
 
 
-
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
           d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale,
-          transposed):
+          transposed, per_channel):
   sh = _Shared(*scratch)
   bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
@@ -70,7 +82,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
                      (k_ref.at[bi, tokens, hk], sh.k),
                      (w_ref.at[bi, tokens, h], sh.w),
-                     (g_ref.at[bi, h, tokens], sh.g),
+                     (g_ref.at[bi, h, n if per_channel else tokens], sh.g),
                      (do_ref.at[bi, tokens, h, cols], sh.d_o),
                      (dd_ref.at[bi, tokens, h, cols], sh.dd)):
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
@@ -89,25 +101,40 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     return n, slot, pl.ds(n * C, C)
 
+  def factors(slot):
+    """The chunk's factors of dO and of ``K dS``: ``(scale e^g, e^{g_C -
+    g})`` per row (``[C, BV]``) for a per-head gate; ``(scale, 1)`` per
+    channel, where q and k come decayed."""
+    if per_channel:
+      return scale, 1.0
+    g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
+    return (compat.rows(scale * jnp.exp(g), tile),
+            compat.rows(jnp.exp(g_end - g), tile))
+
+  def decay(slot, ds):
+    """``e^{g_C} dS``: per channel, ``e^{g_C} [K]`` scales dS's rows."""
+    if per_channel:
+      g_end = mg.load(sh.g.at[slot], ROWS)
+      return compat.rows(jnp.exp(g_end), ds.shape) * ds
+    return jnp.exp(sh.g[slot, C - 1]) * ds
+
   def step(i, ds):
     n, slot, tokens = begin(i)
-    g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
+    on_d_o, on_kds = factors(slot)
     d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
     sh.ds[...] = ds.astype(sh.ds.dtype)
-    sh.read[...] = (compat.rows(scale * jnp.exp(g), tile) * d_o).astype(
-        sh.read.dtype)
+    sh.read[...] = (on_d_o * d_o).astype(sh.read.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
-    d_delta = (mg.load(sh.dd.at[slot], WGMMA)
-               + compat.rows(jnp.exp(g_end - g), tile) * kds)
+    d_delta = mg.load(sh.dd.at[slot], WGMMA) + on_kds * kds
     sh.out[...] = d_delta.astype(sh.out.dtype)
     sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
     return mg.mm([(compat.T(sh.q.at[slot]), sh.read),
                   (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
-                 jnp.exp(g_end) * ds)
+                 decay(slot, ds))
 
   def transposed_step(i, ds_t):
     """``step`` on ``dS^T [BV, K]``: both products take their left operand
@@ -153,7 +180,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
-             transposed=False):
+             transposed=False, per_channel=False):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -167,12 +194,19 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
     scale: Python float multiplying q.
     transposed: carry ``dS^T`` (as :mod:`scan`'s "specialized" schedule
       carries ``S^T``) instead of dS.
+    per_channel: for a per-channel gate (not ``transposed``): q and k are
+      then ``Q e^g`` and ``K e^{g_C - g}`` (``[B, T, HV, K]``,
+      :func:`deltajax.pallas.intra.chunk_gates`) and g the gate at each
+      chunk's end, ``[B, HV, T / C, K]`` float32.
 
   Returns:
     ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
     each chunk's exit state), both in k's dtype, d_initial [B, HV, K, V]
     float32)``.
   """
+  if transposed and per_channel:
+    raise ValueError("the transposed reverse pass has only the per-head "
+                     "gate")
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
@@ -183,7 +217,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
               jax.ShapeDtypeStruct(d_final.shape, jnp.float32)]
   keys = compat.smem((SLOTS, C, dk), dtype)
   tile = compat.smem((C, BV), dtype)
-  scratch = [keys, keys, keys, plgpu.SMEM((SLOTS, C), jnp.float32),
+  scratch = [keys, keys, keys,
+             plgpu.SMEM((SLOTS, dk if per_channel else C), jnp.float32),
              compat.smem((SLOTS, C, BV), dtype),
              compat.smem((SLOTS, C, BV), jnp.float32),
              compat.smem((dk, BV), dtype), tile, tile, tile,
@@ -191,7 +226,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             transposed=transposed)
+                             transposed=transposed, per_channel=per_channel)
   d_delta, d_next, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
