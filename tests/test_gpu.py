@@ -144,9 +144,9 @@ def test_mosaic_specialized_schedule_matches_float64_reference(t, d, hv):
                                              (1024, 128, 8, 64.0)])
 def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
   """KDA through impl="mosaic" (its per-channel scan between the Pallas
-  gate, scores and inverse; the Pallas backward), fla's KDA inputs; grouped
-  value heads and weak gates (the state kept across chunks) in the last
-  case."""
+  gate, scores and inverse; the Pallas backward but for the Mosaic GPU
+  reverse state pass), gradients included, fla's KDA inputs; grouped value
+  heads and weak gates (the state kept across chunks) in the last case."""
   args, cts = _inputs(t, d, seed=t * 1000 + d, h=4, hv=hv, per_channel=True,
                       gate_div=gate_div, nonnegative_qk=True)
   _check("mosaic", args, cts, label=f"kda mosaic T={t} D={d} HV={hv}")

@@ -110,14 +110,17 @@ def test_mosaic_strong_gates_stay_finite():
 
 
 # (B, T, H, HV, K, V) of KDA (a per-channel gate): grouped value heads; K = 128
-# with V = 64 over three chunks.
+# with V = 64 over three chunks; T not a multiple of the chunk with head dims
+# padded (100 -> 128, 48 -> 64).
 @pytest.mark.parametrize("shape", [(1, 128, 1, 2, 64, 64),
-                                   (1, 192, 1, 2, 128, 64)])
+                                   (1, 192, 1, 2, 128, 64),
+                                   (1, 100, 1, 1, 100, 48)])
 def test_mosaic_per_channel_matches_float64(shape):
   """The gates' scales spread over the key channels, from a state kept over
   many chunks to one forgotten within a chunk, so that the state's decay
   per row matters (channel 0's decay on every row took the final state to
-  0.41 relative RMS error, o to 0.055: impl="pallas" has the same errors as
+  0.41 relative RMS error, o to 0.055; in the reverse pass, dk to 0.23, the
+  next chunk's decay dh0 to 2.4e-2: impl="pallas" has the same errors as
   this one, o 3.1e-3, da 4.4e-3)."""
   bsz, t, h, hv, dk, dv = shape
   x = utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
@@ -159,7 +162,10 @@ def test_reverse_per_channel_matches_float64(dk, dv):
   """The reverse pass on a per-channel gate's decayed operands, three chunks
   of strong gates (:func:`utils.strong_kda_inputs`: some channels forgotten
   within the first chunk, others at single tokens, the rest kept), against
-  float64 on the same 16-bit operands; the transposed pass refuses them."""
+  float64 on the same 16-bit operands (2.3e-3 relative RMS error at most;
+  dS's rows decayed by channel 0's e^{g_C} took dDelta to 3.8e-2, by the
+  next chunk's e^{g_C} d_initial to 5.3e-2); the transposed pass refuses
+  them."""
   x = utils.strong_kda_inputs(dk + dv, length=192, heads=2, key_dim=dk,
                               value_dim=dv)
   c, rng = scan.C, np.random.default_rng(dk)
@@ -171,15 +177,15 @@ def test_reverse_per_channel_matches_float64(dk, dv):
           bf16(x.k * np.exp(np.repeat(g_end, c, axis=1) - g)),
           bf16(0.1 * normal(1, 192, 2, dk)),
           jnp.asarray(np.moveaxis(g_end, 1, 2), jnp.float32),
-          bf16(normal(1, 192, 2, dv)),
-          jnp.asarray(normal(1, 192, 2, dv), jnp.float32),
+          bf16(0.1 * normal(1, 192, 2, dv)),
+          jnp.asarray(0.1 * normal(1, 192, 2, dv), jnp.float32),
           jnp.asarray(normal(1, 2, dk, dv), jnp.float32))
   mg = compat.Mosaic(interpret=True)
   got = reverse.backward(mg, *args, scale=0.1, per_channel=True)
   for name, x, want in zip(("d_delta", "d_next", "d_initial"), got,
                            _reverse_reference(*args, scale=0.1)):
     err = utils.relative_rms_error(np.asarray(x, np.float64), want)
-    assert err < 1e-2, (name, err)
+    assert err < 5e-3, (name, err)
   with pytest.raises(ValueError, match="per-head gate"):
     reverse.backward(mg, *args, scale=0.1, transposed=True, per_channel=True)
 
@@ -356,12 +362,12 @@ def test_kernels_lower_for_the_gpu(schedule):
   """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
   GPU's layout inference and wgmma operand checks run (what the interpreter
   skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the per-channel scan ("one": K = 64 and 128, its decay of the
-  state's rows a [K] vector of the row layout), the backward's kernels
-  (with and without narrow_dk; the reverse pass as the schedule takes it),
-  the last of them under vmap too. Lowering also checks that each kernel's
-  shared memory fits in 227 KB (the per-channel scan at K = 128: 218
-  KB)."""
+  states, the per-channel scan and reverse pass ("one": K = 64 and 128,
+  their decays of the state's rows a [K] vector of the row layout), the
+  backward's kernels (with and without narrow_dk; the reverse pass as the
+  schedule takes it), the last of them under vmap too. Lowering also checks
+  that each kernel's shared memory fits in 227 KB (the per-channel scan at
+  K = 128: 218 KB, the per-channel reverse pass 217 KB)."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -395,6 +401,12 @@ def test_kernels_lower_for_the_gpu(schedule):
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128, dtype=dtype), vec))
         for dtype in (jnp.float32, jnp.bfloat16)),
+      # The per-channel reverse pass ("one"): Q e^g, K e^{g_C - g}, g at
+      # the chunks' ends.
+      *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),
+         (decayed(dk), decayed(dk), decayed(dk), f32(1, 2, 2, dk),
+          shape(1, 128, 2, 128), f32(1, 128, 2, 128), f32(1, 2, dk, 128)))
+        for dk in ((64, 128) if schedule == "one" else ())),
       # The reverse pass carrying dS^T with the transposed scans.
       (lambda *x: reverse.backward(mg, *x, scale=0.1,
                                    transposed=schedule != "one"),

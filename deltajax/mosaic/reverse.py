@@ -30,7 +30,7 @@ per-channel pass takes them::
 with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling dS's rows: TMA
 brings ``Q e^g`` and ``K e^{g_C - g}`` in place of q and k, and the gate at
 the chunk's end in place of the gate: 217 KB of shared memory per CTA at
-K = 128 (216 KB for the per-head gate).
+K = 128, as for the per-head gate.
 """
 
 from __future__ import annotations
