@@ -60,7 +60,7 @@ class _Shared(NamedTuple):
   d_o: object     # [SLOTS, C, BV]
   dd: object      # [SLOTS, C, BV] float32 dDelta_local
   ds: object      # [K, BV] dS's 16-bit copy
-  read: object    # [C, BV] scale e^g * dO (per channel: scale dO)
+  read: object    # [C, BV] scale e^g * dO (per head)
   neg: object     # [C, BV] -dDelta
   out: object     # [C, BV] dDelta
   f: object       # [K, BV] float32: dS of the final, then the initial state
@@ -102,11 +102,8 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     return n, slot, pl.ds(n * C, C)
 
   def factors(slot):
-    """The chunk's factors of dO and of ``K dS``: ``(scale e^g, e^{g_C -
-    g})`` per row (``[C, BV]``) for a per-head gate; ``(scale, 1)`` per
-    channel, where q and k come decayed."""
-    if per_channel:
-      return scale, 1.0
+    """The chunk's per-head factors of dO and of ``K dS``: ``(scale e^g,
+    e^{g_C - g})`` per row, ``[C, BV]``."""
     g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
     return (compat.rows(scale * jnp.exp(g), tile),
             compat.rows(jnp.exp(g_end - g), tile))
@@ -120,21 +117,29 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
 
   def step(i, ds):
     n, slot, tokens = begin(i)
-    on_d_o, on_kds = factors(slot)
-    d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
     sh.ds[...] = ds.astype(sh.ds.dtype)
-    sh.read[...] = (on_d_o * d_o).astype(sh.read.dtype)
+    if per_channel:  # q and k come decayed
+      on_kds, reads = 1.0, sh.d_o.at[slot]
+    else:
+      on_d_o, on_kds = factors(slot)
+      d_o = mg.load(sh.d_o.at[slot], WGMMA).astype(jnp.float32)
+      sh.read[...] = (on_d_o * d_o).astype(sh.read.dtype)
+      reads = sh.read
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
     d_delta = mg.load(sh.dd.at[slot], WGMMA) + on_kds * kds
+    # Per channel dO enters the product unscaled (exact in 16 bits) and the
+    # sum is scaled after it, as in the Pallas pass: (scale dO) rounded to
+    # 16 bits took dh0 at (1, 1024, 8, 128) past fla's 0.008 on the H200.
+    unit = scale if per_channel else 1.0
     sh.out[...] = d_delta.astype(sh.out.dtype)
-    sh.neg[...] = (-d_delta).astype(sh.neg.dtype)
+    sh.neg[...] = (-d_delta / unit).astype(sh.neg.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
-    return mg.mm([(compat.T(sh.q.at[slot]), sh.read),
-                  (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
-                 decay(slot, ds))
+    return unit * mg.mm([(compat.T(sh.q.at[slot]), reads),
+                         (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
+                        decay(slot, ds) / unit)
 
   def transposed_step(i, ds_t):
     """``step`` on ``dS^T [BV, K]``: both products take their left operand
