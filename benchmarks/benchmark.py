@@ -1,7 +1,7 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
     python benchmarks/benchmark.py [--gate gdn|kda|gdn2] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
-        [--reps 20] [--impls scan chunked pallas mosaic mosaic:ws mosaic/8] [--out DIR]
+        [--reps 20] [--impls scan chunked pallas mosaic mosaic:one mosaic/8] [--out DIR]
 
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
@@ -16,7 +16,7 @@ jla and fla, and writes
 ``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
 An ``--impls`` entry ``"<impl>/<n>"`` times that implementation with T cut
 into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
-``"mosaic:ws"`` and the other names of :data:`MOSAIC_VARIANTS` time
+``"mosaic:one"`` and the other names of :data:`MOSAIC_VARIANTS` time
 ``impl="mosaic"`` with options that are not its defaults.
 """
 
@@ -120,7 +120,7 @@ MOSAIC_VARIANTS = {
     **{f"mosaic:bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
     "mosaic:wide": dict(narrow_dk=False),
-    "mosaic:ws": dict(schedule="specialized"),
+    "mosaic:one": dict(schedule="one"),
 }
 
 
@@ -266,7 +266,7 @@ def implementations_for(shape, only=None, gate="gdn"):
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
-  # e.g. "mosaic/8", "mosaic:ws"
+  # e.g. "mosaic/8", "mosaic:one"
   named = [i for i in only or () if "/" in i or i in MOSAIC_VARIANTS]
   return [i for i in impls if only is None or i in only] + named
 

@@ -15,11 +15,10 @@ Mosaic GPU UT inverse, "mosaic:wide" hands the output's share
 of dk on in float32 (``narrow_dk=False``), "mosaic:bwd=..."
 is "mosaic" with the backward's Mosaic GPU kernels limited to those named
 (``gated_delta_mosaic(..., backward=...)``; "pallas": none), to time each
-against its Pallas counterpart. "mosaic:ws" is the same
-with the scan's other schedule (three warpgroups:
-``gated_delta_mosaic(..., schedule="specialized")``, not yet the default);
-its forward checks run last, so that a hang there (a barrier protocol that the
-interpreter passed but the GPU does not) leaves every other line printed. Every case catches its own exception and prints its first 300
+against its Pallas counterpart. "mosaic:one" is the same
+with the scan's other schedule (one warpgroup:
+``gated_delta_mosaic(..., schedule="one")``; the default has three);
+its forward checks run last. Every case catches its own exception and prints its first 300
 characters. About six minutes on the H200 with every variant (run L):
 ``--variants`` picks some.
 """
@@ -157,7 +156,7 @@ def main():
   args = parser.parse_args()
   print(f"JAX {jax.__version__}, {jax.devices()}")
   _checks_and_times("mosaic", CHECKS, (2, 1000, 2, 2, 128, 128))
-  scans = ("mosaic:ws",)
+  scans = ("mosaic:one",)
   for impl in args.variants:  # e.g. the backward's kernels one by one
     if impl not in scans:
       _checks_and_times(impl, [], (2, 1024, 2, 2, 128, 128))

@@ -112,8 +112,8 @@ def test_pallas_bf16_matches_float64_reference(t, d):
 @pytest.mark.parametrize("t,d,hv", [(63, 100, None), (1000, 64, None),
                                     (4096, 128, None), (1000, 128, 4)])
 def test_mosaic_bf16_matches_float64_reference(t, d, hv):
-  """The Mosaic GPU forward (and the Pallas backward it reuses), grouped
-  value heads in the last case."""
+  """``impl="mosaic"`` (the three-warpgroup scan and the Mosaic GPU
+  backward), grouped value heads in the last case."""
   args, cts = _inputs(t, d, seed=t * 1000 + d, hv=hv)
   _check("mosaic", args, cts, label=f"mosaic T={t} D={d} HV={hv}")
 
@@ -123,17 +123,18 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
                     reason="impl='mosaic' needs Hopper (compute capability 9.0)")
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
-def test_mosaic_specialized_schedule_matches_float64_reference(t, d, hv):
-  """The three-warpgroup scan (``schedule="specialized"``) and the reverse
-  pass carrying ``dS^T`` that goes with it, called directly (T a multiple
-  of the chunk), on one chunk, K = 64, a padded head dim with grouped
-  value heads, and a long sequence."""
-  def specialized(q, k, v, a, b, s0):
+def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
+  """The one-warpgroup scan (``schedule="one"``, the per-head gate's
+  default being three warpgroups) and the reverse pass carrying ``dS``
+  that goes with it, called directly (T a multiple of the chunk), on one
+  chunk, K = 64, a padded head dim with grouped value heads, and a long
+  sequence."""
+  def one(q, k, v, a, b, s0):
     return mosaic.gated_delta_mosaic(
         q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, schedule="specialized")
+        chunk_size=mosaic.CHUNK, schedule="one")
   args, cts = _inputs(t, d, seed=t * 1000 + d + 7, hv=hv)
-  _check(specialized, args, cts, label=f"specialized T={t} D={d} HV={hv}")
+  _check(one, args, cts, label=f"one warpgroup T={t} D={d} HV={hv}")
 
 
 @pytest.mark.skipif(pallas.gpu_capability() is None

@@ -16,6 +16,7 @@ import deltajax
 from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import compat
+from deltajax.mosaic import ops
 from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
@@ -210,6 +211,16 @@ def _mosaic_vjp(args, cotangents, **options):
                                            chunk_size=64, **options)
   out, vjp = jax.vjp(f, *args)
   return out, vjp(cotangents)
+
+
+def test_default_schedule():
+  """Three warpgroups for the per-head gate (faster on the H200, RESULTS
+  run P); one per channel, and under x64, which the interpreter cannot
+  trace with three (tests here run the kernels under x64)."""
+  assert ops._default_schedule(per_channel=False) == "specialized"
+  assert ops._default_schedule(per_channel=True) == "one"
+  with jax.enable_x64(True):
+    assert ops._default_schedule(per_channel=False) == "one"
 
 
 def test_scan_schedules_give_the_same_results():

@@ -4,7 +4,8 @@ Forward: the UT inverse (parallel over chunks; the Pallas kernel
 :func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
 :func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
 one) -> :func:`scan.forward` (the state scan and the output fused,
-sequential over chunks, in one of :data:`scan.SCHEDULES`). The products run
+sequential over chunks, in one of :data:`scan.SCHEDULES`: by default
+"specialized", three warpgroups, for the per-head gate). The products run
 on the tensor cores with 16-bit operands, so q, k and v must be 16-bit (the
 registry refuses float32 and float64 ones: ``wide=False``); gates, beta,
 the state and every accumulation are float32.
@@ -103,7 +104,7 @@ INVERSES = ("pallas", "mosaic")
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
-                       scale, chunk_size, schedule="one",
+                       scale, chunk_size, schedule=None,
                        inverse="pallas", backward=BACKWARD,
                        narrow_dk=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
@@ -122,9 +123,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     schedule: the scan's (:data:`scan.SCHEDULES`): "one" warpgroup or
       "specialized" (three: state, output, TMA; the per-head gate only),
       with which the backward's reverse pass carries the transposed state
-      too. "specialized" took 13 % off the forward at (4, 4096, 16, 128)
-      on the H200 (RESULTS run N: benchmark.py --impls mosaic:ws) but its
-      gradients are not yet checked there.
+      too. None (the default): "specialized" for the per-head gate (0.256
+      against 0.299 ms forward, 1.065 against 1.088 forward+backward at (4,
+      4096, 16, 128) on the H200, RESULTS runs N and P), "one" per channel
+      and under ``jax_enable_x64``.
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
       the H200, RESULTS run L) or :func:`ut.inverse`.
@@ -163,6 +165,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
+  if schedule is None:
+    schedule = _default_schedule(a.shape[-1] > 1)
   if schedule not in scan.SCHEDULES:
     raise ValueError(f"schedule: {schedule!r} is not one of "
                      f"{scan.SCHEDULES}")
@@ -183,6 +187,16 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
   return o.astype(v.dtype), final.astype(initial_state.dtype)
+
+
+def _default_schedule(per_channel):
+  """The scan's schedule when none is asked for: three warpgroups for the
+  per-head gate, but one per channel, and one under ``jax_enable_x64``
+  (JAX's Mosaic GPU interpreter fails to trace the three warpgroups' loops
+  there, mixing int32 and int64 loop counters)."""
+  if per_channel or jax.config.jax_enable_x64:
+    return "one"
+  return "specialized"
 
 
 def _option(name, value, needs, backward):
