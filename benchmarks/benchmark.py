@@ -126,16 +126,16 @@ MOSAIC_VARIANTS = {
 
 def mosaic_variant(name, q, k, v, a, b, initial_state):
   """``(o, final state)`` of :data:`MOSAIC_VARIANTS`'s ``name`` (``a``:
-  ``[B, T, HV]``)."""
+  ``[B, T, HV]`` per head, ``[B, T, HV, K]`` per channel)."""
   return mosaic.gated_delta_mosaic(
-      q, k, v, a[..., None], b, initial_state, None, None,
-      scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK,
+      q, k, v, a if a.ndim == 4 else a[..., None], b, initial_state, None,
+      None, scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK,
       **MOSAIC_VARIANTS[name])
 
 
 def deltajax_attention(impl, gate="gdn"):
   """``(q, k, v, a, b) -> o`` of deltajax's ``impl``: a name of the
-  registry, of :data:`MOSAIC_VARIANTS` (Gated DeltaNet), or
+  registry, of :data:`MOSAIC_VARIANTS`, or
   ``"<impl>/<n>"``, that implementation with T cut into n pieces run side
   by side (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
   if impl in MOSAIC_VARIANTS:
