@@ -423,7 +423,8 @@ def test_kernels_lower_for_the_gpu(schedule):
   backward's kernels (with and without narrow_dk; the reverse pass as the
   schedule takes it), the last of them under vmap too. Lowering also checks
   that each kernel's shared memory fits in 227 KB (the per-channel scan at
-  K = 128: 218 KB, the per-channel reverse pass 217 KB)."""
+  K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
+  ut_backward 138 KB)."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -457,6 +458,13 @@ def test_kernels_lower_for_the_gpu(schedule):
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128, dtype=dtype), vec))
         for dtype in (jnp.float32, jnp.bfloat16)),
+      # The per-channel ut_backward ("one"): g [B, HV, T, K].
+      *((lambda *x: ut_backward.ut_backward(mg, *x),
+         (shape(1, 128, 1, dk), shape(1, 128, 2, 128), f32(1, 2, 128, dk),
+          vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, 128),
+          shape(1, 2, 2, dk, 128), shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128)))
+        for dk in ((64, 128) if schedule == "one" else ())),
       # The per-channel reverse pass ("one"): Q e^g, K e^{g_C - g}, g at
       # the chunks' ends.
       *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),
