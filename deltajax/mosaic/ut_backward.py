@@ -30,6 +30,19 @@ rounded to them, as the Pallas kernel does; the bracket of dM in two
 passes) and float32 accumulation. The value blocks' tiles and the keys'
 side's share one region of shared memory (two scopes), so that two CTAs fit
 on a multiprocessor at K = 128 (about 90 KB each, 170 KB before).
+
+A per-channel gate (KDA, g ``[C, K]``) gives, as the Pallas kernel, dk, db
+and the cumulative gate's ``dg [C, K]`` without the scores' shares, and
+``dM`` (the cotangent of ``diag(b) Gamma * K K^T``, for
+:func:`deltajax.pallas.intra.backward`): the value blocks as above, then
+``dX_k = T^T dW``, ``-dM = (Z + dX_k (K e^g)^T) diag(b) T^T`` (``K e^g``
+staged in 16 bits), ``dk = e^{g_C - g} * dK_end + diag(b) e^g * dX_k``,
+``dg = diag(b) (dX_k * K e^g) - K e^{g_C - g} * dK_end``, whose last row
+adds the chunk end's share ``rowsum(dS' * S') = sum_i (K e^{g_C - g} *
+dK_end)_i + e^{g_C} rowsum(dS' * S)`` (the sum over rows as one product of
+a row of ones with the term's two 16-bit halves). Every exponent is ``<=
+0``. The gate's float32 tile takes 32 KB: 138 KB of shared memory per CTA
+at K = V = 128 (one CTA per multiprocessor).
 """
 
 from __future__ import annotations
