@@ -16,6 +16,7 @@ import deltajax
 from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import compat
+from deltajax.mosaic import ops as mosaic_ops
 from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
@@ -224,7 +225,7 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
   Pallas kernel in float64 on the same 16-bit operands (W and U from T):
   dk, dv, db, the cumulative gate's dg and dM, with grouped value heads in
   one case (1.9e-3 relative RMS error at most: the 16-bit roundings of
-  dX, dW and dM's bracket)."""
+  dX, dW and dM's bracket); impl="mosaic"'s adapter refuses read keys."""
   x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
                              dv)
   got = ut_backward.ut_backward(compat.Mosaic(interpret=True), **x)
@@ -244,6 +245,9 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
     err = utils.relative_rms_error(np.asarray(y, np.float64),
                                    np.asarray(ref, np.float64))
     assert err < 5e-3, (name, err)
+  with pytest.raises(ValueError, match="no read keys"):
+    mosaic_ops._ut(compat.Mosaic(interpret=True), **x, dk_out=None,
+                   dg_out=None, kr=x["k"])
 
 
 def _contract_inputs(seed, **shape):
