@@ -191,6 +191,65 @@ def test_reverse_per_channel_matches_float64(dk, dv):
     reverse.backward(mg, *args, scale=0.1, transposed=True, per_channel=True)
 
 
+def _per_channel_ut_inputs(seed, heads, value_heads, dk, dv, length=128):
+  """bf16 operands of a per-channel ut_backward (strong gates:
+  :func:`utils.strong_kda_inputs`, with a = -5 on every token of a fifth of
+  the channels) and float32 g (chunk-local cumulative) and beta."""
+  x = utils.strong_kda_inputs(seed, length=length, heads=value_heads,
+                              key_dim=dk, value_dim=dv)
+  c, rng = ut.C, np.random.default_rng(seed)
+  a = x.a.copy()
+  a[..., -(dk // 5):] = -5.0
+  g = np.cumsum(a.reshape(1, -1, c, value_heads, dk), axis=2)
+  g = np.moveaxis(g.reshape(a.shape), 1, 2)
+  n = length // c
+  bf16 = lambda y: jnp.asarray(y, jnp.bfloat16)
+  normal = lambda *shape: rng.standard_normal(shape)
+  t = np.tril(0.3 * normal(1, value_heads, n, c, c), -1) + np.eye(c)
+  return dict(
+      k=bf16(x.k[:, :, :heads]), v=bf16(x.v), g=jnp.asarray(g, jnp.float32),
+      b=jnp.asarray(np.moveaxis(x.b, 1, 2), jnp.float32),
+      t=bf16(t.reshape(1, value_heads, length, c)),
+      states=bf16(normal(1, value_heads, n, dk, dv)),
+      d_next=bf16(normal(1, value_heads, n, dk, dv)),
+      delta=bf16(normal(1, length, value_heads, dv)),
+      d_delta=bf16(normal(1, length, value_heads, dv)))
+
+
+@pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
+                                                     (1, 2, 128, 64),
+                                                     (1, 1, 128, 128)])
+def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
+                                                        dk, dv):
+  """The per-channel (KDA) Mosaic ut_backward on strong gates against the
+  Pallas kernel in float64 on the same 16-bit operands (W and U from T):
+  dk, dv, db, the cumulative gate's dg and dM, with grouped value heads in
+  one case (1.9e-3 relative RMS error at most: the 16-bit roundings of
+  dX, dW and dM's bracket); impl="mosaic"'s adapter refuses read keys."""
+  x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
+                             dv)
+  got = ut_backward.ut_backward(compat.Mosaic(interpret=True), **x)
+  with jax.enable_x64(True):
+    wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
+    config = pallas.core.KernelConfig(interpret=True)
+    launch = lambda name: config.launch(name, per_channel=True)
+    shared = dict(cuts=None, chunk_size=ut.C, interpret=True,
+                  dot=config.dot)
+    w, u = pallas.ut.w_u(
+        **{n: wide[n] for n in ("k", "v", "g", "b", "t")},
+        launch=launch("w_u"), **shared)
+    want = pallas.ut.ut_backward(**wide, w=w, u=u, dk_out=None, dg_out=None,
+                                 launch=launch("ut_backward"), **shared)
+  for name, y, ref in zip(("dk", "dv", "db", "dg", "dm"), got, want):
+    assert y.shape == ref.shape, name
+    err = utils.relative_rms_error(np.asarray(y, np.float64),
+                                   np.asarray(ref, np.float64))
+    assert err < 5e-3, (name, err)
+  with pytest.raises(ValueError, match="no read keys"):
+    ops._ut(compat.Mosaic(interpret=True), **x, dk_out=None,
+                   dg_out=None, kr=x["k"])
+
+
 def _contract_inputs(seed, **shape):
   """``(args, cotangents)`` for :func:`mosaic.gated_delta_mosaic` itself: bf16
   q, k, v, float32 a ``[..., 1]``, b and initial state; the cotangents of
@@ -378,7 +437,8 @@ def test_kernels_lower_for_the_gpu(schedule):
   backward's kernels (with and without narrow_dk; the reverse pass as the
   schedule takes it), the last of them under vmap too. Lowering also checks
   that each kernel's shared memory fits in 227 KB (the per-channel scan at
-  K = 128: 218 KB, the per-channel reverse pass 217 KB)."""
+  K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
+  ut_backward 138 KB)."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -412,6 +472,13 @@ def test_kernels_lower_for_the_gpu(schedule):
           shape(1, 128, 2, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128, dtype=dtype), vec))
         for dtype in (jnp.float32, jnp.bfloat16)),
+      # The per-channel ut_backward ("one"): g [B, HV, T, K].
+      *((lambda *x: ut_backward.ut_backward(mg, *x),
+         (shape(1, 128, 1, dk), shape(1, 128, 2, 128), f32(1, 2, 128, dk),
+          vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, 128),
+          shape(1, 2, 2, dk, 128), shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128)))
+        for dk in ((64, 128) if schedule == "one" else ())),
       # The per-channel reverse pass ("one"): Q e^g, K e^{g_C - g}, g at
       # the chunks' ends.
       *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),

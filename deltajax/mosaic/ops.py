@@ -26,9 +26,11 @@ intra-chunk scores and T (:func:`deltajax.pallas.intra.forward`,
 :func:`deltajax.pallas.ut.inverse`), as ``impl="pallas"`` does; the scan
 and the output are :func:`scan.forward`'s (schedule "one"), and the backward
 is the Pallas one (:func:`deltajax.pallas.ops.backward`) on the residuals
-it keeps (with P), but for the reverse state pass, which runs in Mosaic
-GPU (:func:`reverse.backward` on the decayed operands) where ``backward``
-has it (the other Mosaic backward kernels take the per-head gate only).
+it keeps (with P), but for the reverse state pass and the backward through
+the UT transform, which run in Mosaic GPU (:func:`reverse.backward` on the
+decayed operands, :func:`ut_backward.ut_backward` on the gate's tile) where
+``backward`` has them (the other Mosaic backward kernels take the per-head
+gate only).
 
 Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
 dims up to 128 (zero-padded to 64 or 128), grouped value heads (the kernels
@@ -83,6 +85,17 @@ def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
                           **options)
 
 
+def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
+        kr):
+  """:func:`ut_backward.ut_backward` on the Pallas kernel's arguments (per
+  channel too: dk_out and dg_out None, dM returned after dg); read keys
+  ``kr`` (Gated DeltaNet-2's) are refused."""
+  if kr is not None:
+    raise ValueError("the Mosaic GPU ut_backward has no read keys")
+  return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
+                                 d_delta, dk_out, dg_out)
+
+
 _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
         "w_u", ut.w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
@@ -95,9 +108,9 @@ _BACKWARD_KERNELS = {
         ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final", "scale",
          "decayed"), ("q", "d_o")),
     "ut": _BackwardKernel(
-        "ut_backward", ut_backward.ut_backward, pallas_ut.ut_backward,
+        "ut_backward", _ut, pallas_ut.ut_backward,
         ("k", "v", "g", "b", "t", "states", "d_next", "delta",
-         "d_delta", "dk_out", "dg_out"), ("k", "v")),
+         "d_delta", "dk_out", "dg_out", "kr"), ("k", "v")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
 INVERSES = ("pallas", "mosaic")
@@ -114,7 +127,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float16 (the products take them as they are). K, V <= 128.
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet)
       or ``W = K`` (KDA, per key channel: schedule "one", the Pallas
-      inverse, and of ``backward`` only "reverse" in Mosaic GPU).
+      inverse, and of ``backward`` only "reverse" and "ut" in Mosaic
+      GPU).
     b: ``[B, T, HV]`` beta.
     initial_state: ``[B, HV, K, V]``.
     cut, chunk_seq: must be None (no packed sequences).
@@ -316,8 +330,8 @@ def _kernel_options(schedule, names, narrow_dk):
 
 def _bwd(scale, plan, backward, residuals, cotangents):
   names, narrow_dk = backward
-  if residuals[3].shape[-1] > 1:  # a per-channel gate: Mosaic's reverse pass
-    names = tuple(n for n in names if n == "reverse")
+  if residuals[3].shape[-1] > 1:  # per channel: the reverse pass and ut
+    names = tuple(n for n in names if n in ("reverse", "ut"))
   options = _kernel_options(plan[0], names, narrow_dk)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:

@@ -30,6 +30,19 @@ rounded to them, as the Pallas kernel does; the bracket of dM in two
 passes) and float32 accumulation. The value blocks' tiles and the keys'
 side's share one region of shared memory (two scopes), so that two CTAs fit
 on a multiprocessor at K = 128 (about 90 KB each, 170 KB before).
+
+A per-channel gate (KDA, g ``[C, K]``) gives, as the Pallas kernel, dk, db
+and the cumulative gate's ``dg [C, K]`` without the scores' shares, and
+``dM`` (the cotangent of ``diag(b) Gamma * K K^T``, for
+:func:`deltajax.pallas.intra.backward`): the value blocks as above, then
+``dX_k = T^T dW``, ``-dM = (Z + dX_k (K e^g)^T) diag(b) T^T`` (``K e^g``
+staged in 16 bits), ``dk = e^{g_C - g} * dK_end + diag(b) e^g * dX_k``,
+``dg = diag(b) (dX_k * K e^g) - K e^{g_C - g} * dK_end``, whose last row
+adds the chunk end's share ``rowsum(dS' * S') = sum_i (K e^{g_C - g} *
+dK_end)_i + e^{g_C} rowsum(dS' * S)`` (the sum over rows as one product of
+a row of ones with the term's two 16-bit halves). Every exponent is ``<=
+0``. The gate's float32 tile takes 32 KB: 138 KB of shared memory per CTA
+at K = V = 128 (one CTA per multiprocessor).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 _CHUNK_INPUTS = 7  # TMA copies: k, T, the gate twice, b twice, dg_out
+# (per channel: the gate's tile and its last row, no dg_out)
 _BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS'
 
 
@@ -68,25 +82,20 @@ def _column_sums(mg, x, staging, width):
   return total
 
 
-def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
-          dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref, db_ref, da_ref, k_s,
-          t_s, g_rows, g_cols, b_s, b_cols, dgout_s, vec_s, key_vec_s, bar,
-          block_bar, dkout_bar, *, groups, dtypes):
-  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
-  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  dk_dim = k_s.shape[1]
-  keys, square, tile = (C, dk_dim), (C, C), (C, BV)
-  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  (t_ref.at[bi, h, tokens], t_s),
-                  (g_ref.at[bi, h, tokens], g_rows),
-                  (g_ref.at[bi, h, tokens], g_cols),
-                  (b_ref.at[bi, h, tokens], b_s),
-                  (b_ref.at[bi, h, tokens], b_cols),
-                  (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
+def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
+  """The value blocks' shares, by blocks of BV columns in a scope of their
+  own: ``(dK_end, -dW, Z = dX_v V^T, db's share, rowsum(dS' * S))``, ``[C,
+  K]``, ``[C, K]``, ``[C, C]``, ``[C]``, ``[K]`` float32; dv written.
 
-  def values_side(v_s, dd_s, delta_s, s_s, dn_s, dv_s):
-    """The value blocks' shares: ``(dK_end, -dW, Z = dX_v V^T, db's share,
-    rowsum(dS' * S))``; dv written."""
+  ``refs``: v, dDelta, Delta, S, dS' and dv in HBM; ``at``: the chunk's
+  ``(batch, chunk, value head)``; the chunk's inputs (arriving on ``bar``)
+  hold T and beta."""
+  v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref = refs
+  bi, n, h = at
+  tokens, dk_dim = pl.ds(n * C, C), s_ref.shape[3]
+  keys, square, tile = (C, dk_dim), (C, C), (C, BV)
+
+  def scope(v_s, dd_s, delta_s, s_s, dn_s, dv_s):
     def load_block(j):
       cols = pl.ds(j * BV, BV)
       compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
@@ -124,10 +133,30 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's end
     return d_k_end, minus_dw, z, db, ds_sum
 
-  block = compat.smem(tile, dtypes.k)
-  state_block = compat.smem((dk_dim, BV), dtypes.k)
-  d_k_end, minus_dw, z, db, ds_sum = pl.run_scoped(
-      values_side, block, block, block, state_block, state_block, block)
+  block = compat.smem(tile, dtype)
+  state_block = compat.smem((dk_dim, BV), dtype)
+  return pl.run_scoped(scope, block, block, block, state_block, state_block,
+                       block)
+
+
+def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
+          dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref, db_ref, da_ref, k_s,
+          t_s, g_rows, g_cols, b_s, b_cols, dgout_s, vec_s, key_vec_s, bar,
+          block_bar, dkout_bar, *, groups, dtypes):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
+  dk_dim = k_s.shape[1]
+  keys, square = (C, dk_dim), (C, C)
+  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                  (t_ref.at[bi, h, tokens], t_s),
+                  (g_ref.at[bi, h, tokens], g_rows),
+                  (g_ref.at[bi, h, tokens], g_cols),
+                  (b_ref.at[bi, h, tokens], b_s),
+                  (b_ref.at[bi, h, tokens], b_cols),
+                  (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
+  d_k_end, minus_dw, z, db, ds_sum = _value_blocks(
+      mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
+      t_s, b_s, bar, block_bar, dtypes.k)
 
   def keys_side(dkout_s, dw_s, de_s, dk_s):
     """dk, db, da (in the shared memory that the value blocks held)."""
@@ -195,6 +224,83 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
                 compat.smem(square, dtypes.k), compat.smem(keys, dtypes.dk))
 
 
+def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
+                  delta_ref, dd_ref, dk_ref, dv_ref, db_ref, dg_ref, dm_ref,
+                  k_s, t_s, g_s, g_end_s, b_s, b_cols, vec_s, key_vec_s, bar,
+                  block_bar, *, groups, dtype):
+  """One chunk of a per-channel gate's backward (g ``[C, K]`` in ``g_s``,
+  its last row in ``g_end_s``): dk, db and the cumulative gate's dg without
+  the scores' shares, and dM for :func:`deltajax.pallas.intra.backward`."""
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, dk_dim = pl.ds(n * C, C), k_s.shape[1]
+  keys, square = (C, dk_dim), (C, C)
+  compat.copy_in(((k_ref.at[bi, tokens, lax.div(h, groups)], k_s),
+                  (t_ref.at[bi, h, tokens], t_s),
+                  (g_ref.at[bi, h, tokens], g_s),
+                  (g_ref.at[bi, h, n * C + C - 1], g_end_s),
+                  (b_ref.at[bi, h, tokens], b_s),
+                  (b_ref.at[bi, h, tokens], b_cols)), bar)
+  d_k_end, minus_dw, z, db, ds_sum = _value_blocks(
+      mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
+      t_s, b_s, bar, block_bar, dtype)
+
+  def keys_side(dw_s, kg_s, out_s, dm_s):
+    """dM, then dk, db and dg (in the shared memory of the value blocks)."""
+    beta, g = mg.load(b_s, ROWS), mg.load(g_s, WGMMA)
+    k = mg.load(k_s, WGMMA).astype(jnp.float32)
+    from_start = jnp.exp(g)
+    kg_s[...] = (k * from_start).astype(dtype)
+    dw_s[...] = (-minus_dw).astype(dtype)
+    plgpu.commit_smem()
+    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    # -dM = dX_v U^T + dX_k W^T = (Z + dX_k (K e^g)^T) diag(b) T^T for U =
+    # T diag(b) V, W = T diag(b) (K e^g), never formed; the bracket in two
+    # 16-bit passes.
+    (bracket,) = mg.products([([(d_xk.astype(dtype), compat.T(kg_s))],
+                               square, z)])
+    bracket = bracket * lax.broadcast_in_dim(mg.load(b_cols, COLS), square,
+                                             [1])
+    r_hi, r_lo = ut.halves(bracket, dtype)
+    (minus_dm,) = mg.products([([(r_hi, compat.T(t_s)),
+                                 (r_lo, compat.T(t_s))], square, None)])
+    dm_s[...] = -minus_dm
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dm_s, dm_ref.at[bi, h, tokens])
+
+    g_end = lax.broadcast_in_dim(mg.load(g_end_s, COLS), keys, [1])
+    to_end = jnp.exp(g_end - g)
+    end_share = k * to_end * d_k_end
+    d_xk_kg = d_xk * k * from_start
+    out_s[...] = to_end * d_k_end + compat.rows(beta, keys) * from_start * d_xk
+    vec_s[...] = db + jnp.sum(d_xk_kg, axis=1)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, dk_ref.at[bi, tokens, h])
+    plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
+    # S' = e^{g_C} S + (K e^{g_C - g})^T Delta: the last row's share, the
+    # sum over rows of K e^{g_C - g} * dK_end (the product of its two 16-bit
+    # halves with the last row of ones) and e^{g_C} * rowsum(dS' * S).
+    key_vec_s[...] = ds_sum
+    dw_s[...], kg_s[...] = ut.halves(end_share, dtype)
+    plgpu.commit_smem()
+    last = mg.iota(keys, 0) == C - 1
+    ds_share = jnp.exp(g_end) * lax.broadcast_in_dim(
+        mg.load(key_vec_s, COLS), keys, [1])
+    dg = (compat.rows(beta, keys) * d_xk_kg - end_share
+          + jnp.where(last, ds_share, 0.0))
+    ones = jnp.where(mg.iota(square, 0) == C - 1, 1.0, 0.0).astype(dtype)
+    dg = mg.mm([(ones, dw_s), (ones, kg_s)], keys, dg)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dk has left out_s
+    out_s[...] = dg
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, dg_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
+
+  keys_tile = compat.smem(keys, dtype)
+  pl.run_scoped(keys_side, keys_tile, keys_tile,
+                compat.smem(keys, jnp.float32),
+                compat.smem(square, jnp.float32))
+
+
 class _Dtypes(NamedTuple):
   """The kernel's 16-bit dtype, and those of dk_out and dk."""
   k: object
@@ -202,8 +308,8 @@ class _Dtypes(NamedTuple):
   dk: object
 
 
-def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
-                dg_out):
+def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
+                dk_out=None, dg_out=None):
   """The cotangents of k, v, beta and the gate's increments.
 
   Args:
@@ -212,35 +318,55 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
       T, C]``; states, d_next: ``[B, HV, T / C, K, V]``: one 16-bit dtype
       (d_delta may be float32: it is rounded to it); K and V in {64, 128},
       T a multiple of 64.
-    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    g: ``[B, HV, T]`` (per head) or ``[B, HV, T, K]`` (per channel) float32:
+      the chunk-local cumulative log gate; b: ``[B, HV, T]`` float32 beta.
     dk_out: ``[B, T, HV, K]`` (float32 or k's dtype), dg_out: ``[B, HV,
-      T]`` float32: the output's shares.
+      T]`` float32: the output's shares (per head; None per channel).
 
   Returns:
     ``(dk, dv, db, da)`` as :func:`deltajax.pallas.ut.ut_backward`'s: ``[B,
     T, HV, K]`` (in k's dtype without grouped value heads, else float32),
-    ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32.
+    ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32. Per
+    channel, as its ``(dk, dv, db, dg, dm)``: dk ``[B, T, HV, K]``, db
+    ``[B, HV, T]``, the cumulative gate's dg ``[B, HV, T, K]`` (without the
+    scores' shares) and dM ``[B, HV, T, C]``, float32 but for dv.
   """
   bsz, t_len, h, dk = k.shape
   heads = v.shape[2]
   dtype, f32 = k.dtype, jnp.float32
   d_delta = d_delta.astype(dtype)  # float32 from the Pallas reverse pass
-  dtypes = _Dtypes(dtype, dk_out.dtype, dtype if heads == h else f32)
-  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtypes.dk),
-              jax.ShapeDtypeStruct(v.shape, v.dtype),
-              jax.ShapeDtypeStruct(b.shape, f32),
-              jax.ShapeDtypeStruct(g.shape, f32)]
   vec = plgpu.SMEM((C,), f32)
-  # Only what both scopes of _body use; each scope allocates its own tiles
-  # in the same place after these.
-  scratch = [compat.smem((C, dk), dtype), compat.smem((C, C), dtype), vec,
-             vec, vec, vec, vec, vec, plgpu.SMEM((dk,), f32),
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
-             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
-             plgpu.Barrier(num_arrivals=1)]
+  chunk_shared = [compat.smem((C, dk), dtype), compat.smem((C, C), dtype)]
+  if g.ndim == 4:
+    out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), f32),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(b.shape, f32),
+                jax.ShapeDtypeStruct(g.shape, f32),
+                jax.ShapeDtypeStruct(t.shape, f32)]
+    scratch = [*chunk_shared, compat.smem((C, dk), f32),
+               plgpu.SMEM((dk,), f32), vec, vec, vec, plgpu.SMEM((dk,), f32),
+               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - 1),
+               plgpu.Barrier(num_arrivals=_BLOCK_INPUTS)]
+    body = lambda *refs: _channel_body(mg, *refs, groups=heads // h,
+                                       dtype=dtype)
+    inputs = (k, v, g, b, t, states, d_next, delta, d_delta)
+  else:
+    dtypes = _Dtypes(dtype, dk_out.dtype, dtype if heads == h else f32)
+    out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtypes.dk),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
+                jax.ShapeDtypeStruct(b.shape, f32),
+                jax.ShapeDtypeStruct(g.shape, f32)]
+    # Only what both scopes of _body use; each scope allocates its own
+    # tiles in the same place after these.
+    scratch = [*chunk_shared, vec, vec, vec, vec, vec, vec,
+               plgpu.SMEM((dk,), f32),
+               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
+               plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
+               plgpu.Barrier(num_arrivals=1)]
+    body = lambda *refs: _body(mg, *refs, groups=heads // h, dtypes=dtypes)
+    inputs = (k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out)
   return mg.kernel(
-      lambda *refs: _body(mg, *refs, groups=heads // h, dtypes=dtypes),
-      out_type=out_type, scratch_types=scratch,
+      body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_ut_backward",
-      )(k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out)
+      )(*inputs)
