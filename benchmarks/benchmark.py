@@ -117,6 +117,7 @@ def time_jax(attention, inputs, reps):
 MOSAIC_VARIANTS = {
     "mosaic:inv=mosaic": dict(inverse="mosaic"),
     "mosaic:bwd=pallas": dict(backward=()),
+    "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
     **{f"mosaic:bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
     "mosaic:wide": dict(narrow_dk=False),
