@@ -76,10 +76,10 @@ class _BackwardKernel(NamedTuple):
 def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
              **options):
   """:func:`reverse.backward` on the Pallas pass's arguments: per channel
-  (``decayed``: ``(Q e^g, K e^{g_C - g})``), those and g at each chunk's end
-  in place of q, k and g."""
+  (``decayed``: ``(Q e^g, K e^{g_C - g})``; g at each chunk's end), those
+  in place of q and k."""
   if decayed is not None:
-    (q, k), g = decayed, g[:, :, CHUNK - 1::CHUNK]
+    q, k = decayed
   return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
                           scale=scale, per_channel=decayed is not None,
                           **options)
@@ -255,10 +255,10 @@ def _per_channel_inputs(scale, q, k, a, b):
   (:func:`deltajax.pallas.ops.before_scan`): ``(Q e^g, K e^g, g at each
   chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P))``, P ``[B,
   HV, T, C]`` float32 with the scale."""
-  g, beta, _, (qg, kg, kd), t, p = pallas_ops.before_scan(
+  g_end, beta, _, (qg, kg, kd), t, p = pallas_ops.before_scan(
       scale, CHUNK, pallas_core.KernelConfig().resolve(), q, k, None, a, b,
       None, heads=a.shape[2], dtype=jnp.float32)
-  return qg, kg, g[:, :, CHUNK - 1::CHUNK], beta, t, (kd, p)
+  return qg, kg, g_end, beta, t, (kd, p)
 
 
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):

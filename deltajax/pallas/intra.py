@@ -73,6 +73,17 @@ def _is_gentle_chunk(g_ref):
   return _is_gentle(g_ref, 0, span=g_ref.shape[0])
 
 
+def _first_gate(a_ref, ks=slice(None)):
+  """The chunk's first cumulative gate ``g_0 = a_0`` (floored), ``[1, k]``."""
+  return common.floored(_row(a_ref, 0, ks))
+
+
+def _falls_gently(first, end):
+  """:func:`_is_gentle_chunk` from the gate's first ``[1, k]`` and last
+  ``[k]`` values (both passes of :func:`forward` decide it from these)."""
+  return jnp.max(first - end) <= SPAN
+
+
 def _row_reference(g_ref, start, gentle, ks=slice(None)):
   """``(r [1, k], limit)`` for row block I at ``start``: the gate in the
   middle of block I where ``gentle``, else the gate before it (0 before the
@@ -117,24 +128,46 @@ def _diagonal_columns(g_ref, y_ref, start, ks, step, init):
   return lax.fori_loop(0, SUB, column, init)
 
 
-def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, counts, **decayed):
-  """g, and for each side (``counts``: side -> number of operands) the
-  inputs ``x_{side}_{i}`` times the decay from the chunk's entry state to
-  each token (``e^g``, side "start") or from each token to the chunk's end
-  (``e^{g_C - g}``, "end"), into ``out_{side}_{i}``."""
-  g = jnp.cumsum(common.floored(a_ref[...].astype(g_ref.dtype)), axis=0)
-  g_ref[...] = g
-  cuts = None if cuts_ref is None else cuts_ref[...]
+def _cumulative_gate(a_ref, ks, dtype):
+  """``g = cumsum(a)`` over the chunk's tokens (a floored), channels ks."""
+  return jnp.cumsum(common.floored(a_ref[:, ks].astype(dtype)), axis=0)
+
+
+def _store_decayed(g, g_end, cuts, ks, counts, decayed):
+  """For each side (``counts``: side -> number of operands), the inputs
+  ``x_{side}_{i}`` times the decay from the chunk's entry state to each
+  token (``e^g``, side "start") or from each token to the chunk's end
+  (``e^{g_C - g}``, "end"), into ``out_{side}_{i}``, channels ks."""
   decays = dict(
       start=lambda: core.from_start(g, cuts),
-      end=lambda: core.to_end(g, core.last(g), cuts,
+      end=lambda: core.to_end(g, g_end, cuts,
                               None if cuts is None else core.last(cuts)))
   for side, count in counts:
     e = decays[side]() if count else None
     for i in range(count):
       out = decayed[f"out_{side}_{i}"]
-      out[...] = (decayed[f"x_{side}_{i}"][...].astype(g.dtype)
-                  * e).astype(out.dtype)
+      out[:, ks] = (decayed[f"x_{side}_{i}"][:, ks].astype(g.dtype)
+                    * e).astype(out.dtype)
+
+
+def _chunk_gates_kernel(*, a_ref, cuts_ref, g_ref, counts, **decayed):
+  """g, and the operands decayed by it (:func:`_store_decayed`)."""
+  g = _cumulative_gate(a_ref, slice(None), g_ref.dtype)
+  g_ref[...] = g
+  _store_decayed(g, core.last(g), None if cuts_ref is None else cuts_ref[...],
+                 slice(None), counts, decayed)
+
+
+def _decayed_specs(sides, heads, rows, inputs, outputs):
+  """The inputs and outputs of :func:`_store_decayed` for ``sides`` (side,
+  operands ``[B, T, H, K]``; value head j reads ``j // G``), with ``rows(h)``
+  the BlockSpec of an array of h heads; returns its ``counts``."""
+  for side, xs in sides:
+    for i, x in enumerate(xs):
+      inputs[f"x_{side}_{i}"] = (x, rows(x.shape[2]))
+      outputs[f"out_{side}_{i}"] = (jax.ShapeDtypeStruct(
+          (*x.shape[:2], heads, x.shape[3]), x.dtype), rows(heads))
+  return tuple((side, len(xs)) for side, xs in sides)
 
 
 def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
@@ -158,58 +191,51 @@ def chunk_gates(a, *, cuts=None, from_start=(), to_end=(), chunk_size,
   """
   bsz, t_len, heads, dk = a.shape
   c = chunk_size
-  rows = lambda x: core.block(None, c, None, dk)(
-      lambda i, j, n: (i, n, core.qk_head(j, heads // x.shape[2]), 0))
-  inputs = dict(a_ref=(a, rows(a)), cuts_ref=(cuts, core.block(None, None, c)(
-      lambda i, j, n: (i, j, n))))
+  rows = lambda h: core.block(None, c, None, dk)(
+      lambda i, j, n: (i, n, core.qk_head(j, heads // h), 0))
+  inputs = dict(a_ref=(a, rows(heads)), cuts_ref=(
+      cuts, core.block(None, None, c)(lambda i, j, n: (i, j, n))))
   outputs = dict(g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk),
                                              a.dtype),
                         core.block(None, None, c, dk)(
                             lambda i, j, n: (i, j, n, 0))))
-  sides = (("start", from_start), ("end", to_end))
-  for side, xs in sides:
-    for i, x in enumerate(xs):
-      inputs[f"x_{side}_{i}"] = (x, rows(x))
-      outputs[f"out_{side}_{i}"] = (
-          jax.ShapeDtypeStruct((bsz, t_len, heads, dk), x.dtype), rows(a))
+  counts = _decayed_specs((("start", from_start), ("end", to_end)), heads,
+                          rows, inputs, outputs)
   g, *decayed = core.call(
       _chunk_gates_kernel, grid=(bsz, heads, t_len // c), inputs=inputs,
       outputs=outputs, launch=core.Launch(num_warps=4), interpret=interpret,
-      name="deltajax_chunk_gates", as_tuple=True,
-      counts=tuple((side, len(xs)) for side, xs in sides))
+      name="deltajax_chunk_gates", as_tuple=True, counts=counts)
   return g, tuple(decayed[:len(from_start)]), tuple(decayed[len(from_start):])
 
 
-def _store_scores(*, p_ref, a_ref, cuts_ref, start, qk, kk, scale):
+def _store_scores(*, p_ref, kk_ref, cuts_ref, start, qk, kk, scale):
   """Stores the rows from ``start`` of P (``scale qk``) and A (``kk``),
   masked to their pairs."""
   at = ((start, qk.shape[0]), (0, qk.shape[1]))
   p_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
                          0).astype(p_ref.dtype)
-  a_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
-                         0).astype(a_ref.dtype)
+  kk_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
+                          0).astype(kk_ref.dtype)
 
 
-def _forward_whole_chunk(*, q_ref, k_ref, kr_ref, g_ref, cuts_ref, a_ref,
-                         p_ref, scale, dot, block_k):
+def _forward_whole_chunk(*, q_ref, k_ref, kr_ref, gates, cuts_ref, kk_ref,
+                         p_ref, scale, dot):
   """The chunk's P and A ``[C, C]`` through one reference, the midpoint of
-  the gate's range: ``(X e^{g - r}) (K e^{r - g})^T``."""
-  c, d = k_ref.shape
+  the gate's range: ``(X e^{g - r}) (K e^{r - g})^T``; ``gates``: ``(ks,
+  g [C, k], r [1, k])`` per block of key channels."""
   mm = dot.of_float32(k_ref.dtype)
   qk = kk = 0
-  for ks in core.blocks(d, block_k):
-    g = g_ref[:, ks].astype(_acc(g_ref))
-    r = (_row(g_ref, 0, ks) + _row(g_ref, c - 1, ks)) / 2
+  for ks, g, r in gates:
     up = jnp.exp(g - r)
     k_down = k_ref[:, ks].astype(g.dtype) * jnp.exp(r - g)
     qk += mm(q_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
     kk += mm(kr_ref[:, ks].astype(g.dtype) * up, k_down, trans_b=True)
-  _store_scores(p_ref=p_ref, a_ref=a_ref, cuts_ref=cuts_ref, start=0, qk=qk,
-                kk=kk, scale=scale)
+  _store_scores(p_ref=p_ref, kk_ref=kk_ref, cuts_ref=cuts_ref, start=0,
+                qk=qk, kk=kk, scale=scale)
 
 
-def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref, a_ref,
-                       p_ref, scale, dot, block_k):
+def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref,
+                       kk_ref, p_ref, scale, dot, block_k):
   """Rows ``start .. start + 15`` of one chunk's P and A, ``[16, C]`` each,
   through the reference of :func:`_row_reference`, the diagonal tile exactly
   where the block's gate is not gentle."""
@@ -242,28 +268,53 @@ def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref, a_ref,
           lambda j, y_t, e, tiles, ks=ks: step(j, y_t, e, tiles, ks), tiles)
     return tiles
   qk, kk = lax.cond(gentle, lambda t: t, diagonal, (qk, kk))
-  _store_scores(p_ref=p_ref, a_ref=a_ref, cuts_ref=cuts_ref, start=start,
+  _store_scores(p_ref=p_ref, kk_ref=kk_ref, cuts_ref=cuts_ref, start=start,
                 qk=qk, kk=kk, scale=scale)
 
 
-def _forward_kernel(*, whole_chunk, q_ref, k_ref, kr_ref, g_ref, cuts_ref,
-                    a_ref, p_ref, scale, dot, block_k, **done):
-  """One chunk's scores where its gate is gentle (``whole_chunk``), or the
-  rows of one block (the first grid index) of a chunk where it is not;
-  ``done`` (the whole-chunk pass's outputs, aliased to this pass's) is not
-  read. ``kr_ref``: the keys on A's row side (None: k)."""
+def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
+                            g_end_ref, kk_ref, p_ref, counts, scale, dot,
+                            block_k, **decayed):
+  """The forward's first pass over one chunk: its cumulative gate, the
+  operands decayed by it (:func:`_store_decayed`), the gate at its end, and
+  its scores where the gate is gentle (:func:`_forward_whole_chunk`); where
+  it is not, g (the second pass's input; written only there)."""
+  cuts = None if cuts_ref is None else cuts_ref[...]
+  blocks = core.blocks(a_ref.shape[1], block_k)
+  gates = [_cumulative_gate(a_ref, ks, g_ref.dtype) for ks in blocks]
+  ends = [core.last(g) for g in gates]
+  gentle = functools.reduce(jnp.logical_and, [
+      _falls_gently(_first_gate(a_ref, ks), end)
+      for ks, end in zip(blocks, ends)])
+  for ks, g, end in zip(blocks, gates, ends):
+    g_end_ref[ks] = end
+    _store_decayed(g, end, cuts, ks, counts, decayed)
+
+    @pl.when(~gentle)
+    def _(ks=ks, g=g):
+      g_ref[:, ks] = g
+  pl.when(gentle)(lambda: _forward_whole_chunk(
+      q_ref=q_ref, k_ref=k_ref, kr_ref=k_ref if kr_ref is None else kr_ref,
+      gates=[(ks, g, (_first_gate(a_ref, ks) + end) / 2)
+             for ks, g, end in zip(blocks, gates, ends)],
+      cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot))
+
+
+def _scores_by_blocks_kernel(*, a_ref, g_end_ref, q_ref, k_ref, kr_ref,
+                             g_ref, cuts_ref, kk_ref, p_ref, scale, dot,
+                             block_k, **done):
+  """The forward's second pass: the rows of one block (the first grid
+  index) of a chunk whose gate is not gentle; ``done`` (the first pass's
+  scores, aliased to this pass's) is not read."""
   del done
-  refs = dict(q_ref=q_ref, k_ref=k_ref,
-              kr_ref=k_ref if kr_ref is None else kr_ref, g_ref=g_ref,
-              cuts_ref=cuts_ref, a_ref=a_ref, p_ref=p_ref, scale=scale,
-              dot=dot, block_k=block_k)
-  gentle = _is_gentle_chunk(g_ref)
-  if whole_chunk:
-    pl.when(gentle)(lambda: _forward_whole_chunk(**refs))
-  else:
-    # (The block index is read outside pl.when: interpret mode needs it.)
-    start = pl.program_id(0) * SUB
-    pl.when(~gentle)(lambda: _forward_by_blocks(start=start, **refs))
+  # (The block index is read outside pl.when: interpret mode needs it.)
+  start = pl.program_id(0) * SUB
+  gentle = _falls_gently(_first_gate(a_ref), g_end_ref[...])
+  pl.when(~gentle)(lambda: _forward_by_blocks(
+      start=start, q_ref=q_ref, k_ref=k_ref,
+      kr_ref=k_ref if kr_ref is None else kr_ref, g_ref=g_ref,
+      cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot,
+      block_k=block_k))
 
 
 def _row_side(*, start, gentle, g_ref, k_ref, d_rows, mm):
@@ -469,51 +520,73 @@ def _chunk_rows(chunk_size, groups, width):
       gate=core.block(None, None, c)(lambda m, i, j, n: (i, j, n)))
 
 
-def forward(*, q, k, g, cuts, heads, scale, chunk_size, launch, interpret,
-            dot, kr=None):
-  """The intra-chunk scores of every chunk.
+def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
+            dot, kr=None, from_start=(), to_end=()):
+  """The chunk-local gate and the intra-chunk scores of every chunk, with
+  the operands decayed by the gate (:func:`chunk_gates`' work, fused: g is
+  never written whole).
 
   Args:
-    q, k: ``[B, T, H, K]``; g: ``[B, HV, T, K]`` chunk-local cumulative log
-    gate; cuts: ``[B, HV, T]`` int32 chunk-local cumulative cut count, or
-    None; heads: HV; launch.block_k: key channels per inner product; kr:
-    None, or ``[B, T, HV, K]``: the keys on A's row side (Gated
-    DeltaNet-2's erased keys ``b * k``).
+    q, k: ``[B, T, H, K]``; a: ``[B, T, HV, K]`` per-channel log gate (as
+    :func:`chunk_gates` takes it); cuts: ``[B, HV, T]`` int32 chunk-local
+    cumulative cut count, or None; heads: HV; launch.block_k: key channels
+    per inner product; kr: None, or ``[B, T, HV, K]``: the keys on A's row
+    side (Gated DeltaNet-2's erased keys ``b * k``); from_start, to_end: as
+    :func:`chunk_gates` takes them.
 
   Returns:
-    ``(a, p)``, ``[B, HV, T, C]`` float32 (float64 for float64 inputs):
-    each chunk's
-    ``A = Gamma * Kr K^T`` (strictly lower; ``Kr = K`` without kr) and ``P =
-    scale Gamma * Q K^T`` (causal) at its rows; 0 across a cut.
+    ``(a, p, g_end, starts, ends)``: ``[B, HV, T, C]`` float32 (float64 for
+    float64 inputs), each chunk's ``A = Gamma * Kr K^T`` (strictly lower;
+    ``Kr = K`` without kr) and ``P = scale Gamma * Q K^T`` (causal) at its
+    rows, 0 across a cut; ``g_end [B, HV, T / C, K]``, the cumulative gate
+    at each chunk's end; ``starts``, ``ends``: as :func:`chunk_gates`
+    returns them.
   """
   bsz, t_len, h, dk = k.shape
-  c, blocks = chunk_size, chunk_size // SUB
+  c, blocks, n = chunk_size, chunk_size // SUB, t_len // chunk_size
   sp = _chunk_rows(c, heads // h, None)
   per_chunk = (bsz, heads, t_len, c)
-  inputs = dict(q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
-                kr_ref=(kr, sp["keys"](dk)), g_ref=(g, sp["g"](dk)),
-                cuts_ref=(cuts, sp["gate"]))
-  out = lambda spec: dict(
-      a_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
-             spec),
+  ends = core.block(None, None, None, dk)(lambda m, i, j, n: (i, j, n, 0))
+  inputs = dict(a_ref=(a, sp["keys"](dk)), cuts_ref=(cuts, sp["gate"]),
+                q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
+                kr_ref=(kr, sp["keys"](dk)))
+  scores = lambda spec: dict(
+      kk_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
+              spec),
       p_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(q.dtype)),
              spec))
-  run = functools.partial(
-      core.call, _forward_kernel, launch=launch, interpret=interpret,
-      scale=scale, dot=dot, block_k=launch.block_k or dk)
-  chunks = out(core.block(None, None, c, c)(lambda m, i, j, n: (i, j, n, 0)))
-  a, p = run(grid=(1, bsz, heads, t_len // c), inputs=inputs, outputs=chunks,
-             name="deltajax_intra", whole_chunk=True)
+  chunks = scores(core.block(None, None, c, c)(
+      lambda m, i, j, n: (i, j, n, 0)))
+  outputs = dict(
+      g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk), a.dtype),
+             sp["g"](dk)),
+      g_end_ref=(jax.ShapeDtypeStruct((bsz, heads, n, dk), a.dtype), ends),
+      **chunks)
+  rows = lambda x_heads: core.block(None, c, None, dk)(
+      lambda m, i, j, n: (i, n, core.qk_head(j, heads // x_heads), 0))
+  counts = _decayed_specs((("start", from_start), ("end", to_end)), heads,
+                          rows, inputs, outputs)
+  run = functools.partial(core.call, launch=launch, interpret=interpret,
+                          scale=scale, dot=dot, block_k=launch.block_k or dk)
+  g, g_end, kk, p, *decayed = run(
+      _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
+      outputs=outputs, name="deltajax_intra", as_tuple=True, counts=counts)
   # The chunks whose gate is not gentle, by blocks of rows, written into the
   # first pass's outputs.
-  return run(
-      grid=(blocks, bsz, heads, t_len // c),
-      inputs={**inputs, "a_done_ref": (a, chunks["a_ref"][1]),
-              "p_done_ref": (p, chunks["p_ref"][1])},
-      outputs=out(core.block(None, None, SUB, c)(
+  kk, p = run(
+      _scores_by_blocks_kernel, grid=(blocks, bsz, heads, n),
+      inputs=dict(a_ref=inputs["a_ref"], g_end_ref=(g_end, ends),
+                  q_ref=inputs["q_ref"], k_ref=inputs["k_ref"],
+                  kr_ref=inputs["kr_ref"], g_ref=(g, sp["g"](dk)),
+                  cuts_ref=inputs["cuts_ref"],
+                  kk_done_ref=(kk, chunks["kk_ref"][1]),
+                  p_done_ref=(p, chunks["p_ref"][1])),
+      outputs=scores(core.block(None, None, SUB, c)(
           lambda m, i, j, n: (i, j, n * blocks + m, 0))),
-      aliases=dict(a_done_ref="a_ref", p_done_ref="p_ref"),
-      name="deltajax_intra_blocks", whole_chunk=False)
+      aliases=dict(kk_done_ref="kk_ref", p_done_ref="p_ref"),
+      name="deltajax_intra_blocks")
+  starts = tuple(decayed[:len(from_start)])
+  return kk, p, g_end, starts, tuple(decayed[len(from_start):])
 
 
 def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,

@@ -107,29 +107,39 @@ def _read_keys(b, q, k, v):
   return jnp.ones(erase.shape[:3], erase.dtype), kr.astype(dtype), v
 
 
+def _chunk_cumsum(x, chunk_size):
+  """The cumulative sum of ``x [B, HV, T, ...]`` within each chunk."""
+  bsz, heads, t_len = x.shape[:3]
+  return jnp.cumsum(x.reshape(bsz, heads, t_len // chunk_size, chunk_size,
+                              *x.shape[3:]), axis=3).reshape(x.shape)
+
+
+def _gate_inputs(a, b, cut, chunk_size, dtype):
+  """``(a, beta [B, HV, T], cuts)``: a in ``dtype``, 0 at a cut token (whose
+  gate is irrelevant); beta per value head; the chunk-local cumulative cut
+  count (int32 ``[B, HV, T]``, or None; a cut is per token)."""
+  a = a.astype(dtype)
+  cuts = None
+  if cut is not None:
+    a = jnp.where(cut, 0, a)
+    cuts = _chunk_cumsum(jnp.moveaxis(cut[..., 0], 1, 2).astype(jnp.int32),
+                         chunk_size)
+  return a, jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
+
+
 def gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),
           to_end=()):
   """``[B, T, HV, W]`` log gate, ``[B, T, HV]`` beta and the optional cuts ->
   the chunk-local cumulative gate, ``[B, HV, T]`` (W = 1) or
   ``[B, HV, T, k_dim]`` (W = K, padded channels 0), beta ``[B, HV, T]``, the
-  cumulative cut count (int32 ``[B, HV, T]``, or None; a cut is per token)
-  and, for W = K, the operands ``from_start`` and ``to_end`` decayed by the
-  gate (:func:`intra.chunk_gates`; None for W = 1). a is clamped at
-  :data:`common.LOG_DECAY_FLOOR` (for W = K in the kernel). The gate of a
-  cut token is irrelevant: it is taken as 0."""
-  bsz, t_len, heads, width = a.shape
-  to_heads = lambda x: jnp.moveaxis(x, 1, 2)
-  chunk_cumsum = lambda x: jnp.cumsum(
-      x.reshape(bsz, heads, t_len // chunk_size, chunk_size, *x.shape[3:]),
-      axis=3).reshape(x.shape)
-  a = a.astype(dtype)
-  cuts = None
-  if cut is not None:
-    a = jnp.where(cut, 0, a)
-    cuts = chunk_cumsum(to_heads(cut[..., 0]).astype(jnp.int32))
-  beta = jnp.transpose(b, (0, 2, 1)).astype(dtype)
-  if width == 1:
-    return chunk_cumsum(to_heads(common.floored(a[..., 0]))), beta, cuts, None
+  cumulative cut count (:func:`_gate_inputs`) and, for W = K, the operands
+  ``from_start`` and ``to_end`` decayed by the gate
+  (:func:`intra.chunk_gates`; None for W = 1). a is clamped at
+  :data:`common.LOG_DECAY_FLOOR` (for W = K in the kernel)."""
+  a, beta, cuts = _gate_inputs(a, b, cut, chunk_size, dtype)
+  if a.shape[-1] == 1:
+    g = common.floored(jnp.moveaxis(a[..., 0], 1, 2))
+    return _chunk_cumsum(g, chunk_size), beta, cuts, None
   g, starts, ends = intra.chunk_gates(
       common.pad_axis(a, 3, k_dim), cuts=cuts, from_start=from_start,
       to_end=to_end, chunk_size=chunk_size, interpret=interpret)
@@ -199,32 +209,34 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
                 dtype):
   """The forward's parallel steps before the state scan, on q, k (and the
   read keys kr) padded as :func:`_padded` pads them: the gates
-  (:func:`gates`), per channel the intra-chunk scores
-  (:func:`intra.forward`), and T (:func:`ut.inverse`).
+  (:func:`gates`; per channel with the intra-chunk scores,
+  :func:`intra.forward`), and T (:func:`ut.inverse`).
 
   Returns:
-    ``(g, beta, cuts, decayed, t, p)``: :func:`gates`' first three;
-    ``decayed`` (per channel, else None): ``Q e^g`` for the output,
-    ``Kr e^g`` (the read keys, K without kr) and ``K e^{g_C - g}`` for the
-    scan, ``[B, T, HV, K]``; T ``[B, HV, T, C]``; ``p`` (per channel, else
-    None): ``P = scale Gamma * Q K^T [B, HV, T, C]``.
+    ``(g, beta, cuts, decayed, t, p)``: :func:`gates`' first three, but per
+    channel g only at each chunk's end, ``[B, HV, T / C, K]``; ``decayed``
+    (per channel, else None): ``Q e^g`` for the output, ``Kr e^g`` (the read
+    keys, K without kr) and ``K e^{g_C - g}`` for the scan, ``[B, T, HV,
+    K]``; T ``[B, HV, T, C]``; ``p`` (per channel, else None): ``P = scale
+    Gamma * Q K^T [B, HV, T, C]``.
   """
-  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, dtype, k.shape[-1],
-                                 config.interpret,
-                                 from_start=(q, k if kr is None else kr),
-                                 to_end=(k,))
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
-  launch = functools.partial(config.launch, per_channel=g.ndim == 4)
-  if g.ndim == 3:
+  launch = functools.partial(config.launch, per_channel=a.shape[-1] > 1)
+  if a.shape[-1] == 1:
+    g, beta, cuts, _ = gates(a, b, cut, chunk_size, dtype, k.shape[-1],
+                             config.interpret)
     return g, beta, cuts, None, ut.inverse(
         k=k, g=g, b=beta, cuts=cuts, a=None, heads=heads,
         launch=launch("inverse"), **shared), None
-  a_kk, p = intra.forward(q=q, k=k, kr=kr, g=g, cuts=cuts, heads=heads,
-                          scale=scale, launch=launch("intra"), **shared)
+  a, beta, cuts = _gate_inputs(a, b, cut, chunk_size, dtype)
+  a_kk, p, g_end, starts, ends = intra.forward(
+      q=q, k=k, kr=kr, a=common.pad_axis(a, 3, k.shape[-1]), cuts=cuts,
+      heads=heads, scale=scale, from_start=(q, k if kr is None else kr),
+      to_end=(k,), launch=launch("intra"), **shared)
   t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                  launch=launch("inverse"), **shared)
-  return g, beta, cuts, decayed, t, p
+  return g_end, beta, cuts, starts + ends, t, p
 
 
 def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
@@ -267,8 +279,10 @@ def backward(scale, chunk_size, config, residuals, cotangents,
     dq = dg_out = dk_out = None
     d_delta = output.delta_backward(p=p, d_o=d_o,
                                     launch=launch("output_backward"), **shared)
+  # (Per channel the scans take g at each chunk's end.)
+  g_ends = g if g.ndim == 3 else g[:, :, chunk_size - 1::chunk_size]
   d_delta, d_next, d_initial = backward_scan(
-      q=qp, k=kp, w=w, g=g, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
+      q=qp, k=kp, w=w, g=g_ends, cuts=cuts, chunk_seq=chunk_seq, d_o=d_o,
       d_delta_local=d_delta, d_final=d_final_p, scale=scale, decayed=decayed,
       launch=launch("backward_scan"), **shared)
   dk, dv, db, da, *per_channel = ut_backward(

@@ -91,7 +91,7 @@ def output(*, q, k, g, cuts, states, delta, p, chunk_size, scale, out_dtype,
     q, k: ``[B, T, H, K]``; g: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or
     None; states: ``[B, HV, N, K, V]``; delta: ``[B, T, HV, V]``; for a
     per-channel gate, p: ``[B, HV, T, C]`` from :func:`intra.forward` and
-    qg: ``Q e^g [B, T, HV, K]`` from :func:`intra.chunk_gates` (q, k, g and
+    qg: ``Q e^g [B, T, HV, K]`` from :func:`intra.forward` (q, k, g and
     cuts are then not read).
 
   Returns:

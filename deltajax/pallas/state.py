@@ -6,8 +6,9 @@ stays on this path (ANCHORS: the sequential path is latency-bound): forward,
 ``Delta`` and the state update; backward, the state cotangent.
 
 A per-channel gate comes as decayed keys and queries (``K e^g``, ``K e^{g_C -
-g}``, ``Q e^g``, in k's dtype, from :func:`intra.chunk_gates`, parallel over
-chunks: the scans take no ``[C, K]`` exponentials) and decays the state's rows
+g}``, ``Q e^g``, in k's dtype, from :func:`intra.forward` or
+:func:`intra.chunk_gates`, parallel over chunks: the scans take no ``[C, K]``
+exponentials) with the gate at each chunk's end, and decays the state's rows
 by ``e^{g_C}`` (``[K]``, :func:`core.on_state`); a scalar gate's per-token
 decays scale the products' rows (:func:`core.decayed_dot`).
 
@@ -53,7 +54,7 @@ def _keys(g_ref, k_ref, kg_ref, kd_ref, n, c, cuts, cuts_end, dot):
   rows, end = pl.ds(n * c, c), n * c + c - 1
   acc = core.accumulator(g_ref.dtype)
   if kg_ref is not None:
-    g_end = g_ref[end, :].astype(acc)
+    g_end = g_ref[n, :].astype(acc)
     dtype = kg_ref.dtype
     return (lambda x: dot(kg_ref[rows, :], x.astype(dtype)),
             lambda x: dot(kd_ref[rows, :], x.astype(dtype), trans_a=True),
@@ -118,7 +119,7 @@ def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
     rows, end = pl.ds(n * c, c), n * c + c - 1
     if decayed:
       tiles = (qg_ref[rows, :], kd_ref[rows, :], w_ref[rows, :], None,
-               g_ref[end, :].astype(acc))
+               g_ref[n, :].astype(acc))
     else:
       tiles = (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :],
                g_ref[rows].astype(acc), g_ref[end].astype(acc))
@@ -173,7 +174,7 @@ def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq, g):
   """BlockSpec makers for grid ``(B, HV, V blocks)``: whole sequences."""
   seq = lambda d: core.block(None, t_len, None, d)
   specs = dict(
-      g=core.gate_spec(g, t_len, lambda i, j, x: (i, j, 0)),
+      g=core.gate_spec(g, g.shape[2], lambda i, j, x: (i, j, 0)),
       qk=seq(dk)(lambda i, j, x: (i, 0, core.qk_head(j, groups), 0)),
       keys=seq(dk)(lambda i, j, x: (i, 0, j, 0)),
       vals=seq(bv)(lambda i, j, x: (i, 0, j, x)),
@@ -198,12 +199,13 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
 
   Args:
     t: ``[B, HV, T, C]`` from :func:`ut.inverse`; k: ``[B, T, H, K]``;
-    v: ``[B, T, HV, V]``; g: ``[B, HV, T]`` (``[B, HV, T, K]`` per channel);
+    v: ``[B, T, HV, V]``; g: ``[B, HV, T]`` (per channel ``[B, HV, T / C,
+    K]``, the gate at each chunk's end);
     b: ``[B, HV, T]``; cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T /
     C]`` int32 or None (then B = 1); initial_state: ``[N, HV, K, V]`` float32
     (float64 in interpret mode), N = B without chunk_seq; decayed: for a
     per-channel gate, ``(K e^g, K e^{g_C - g})``, ``[B, T, HV, K]`` in k's
-    dtype (:func:`intra.chunk_gates`; k itself is then not read).
+    dtype (:func:`intra.forward`; k itself is then not read).
 
   Returns:
     ``(delta [B, T, HV, V] float32 (float64), states [B, HV, T / C, K, V] (each
@@ -263,8 +265,8 @@ def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
     dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
 
   Args:
-    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g: ``[B, HV, T]`` or
-    ``[B, HV, T, K]``; cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T /
+    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g: ``[B, HV, T]`` (per
+    channel ``[B, HV, T / C, K]``, the gate at each chunk's end); cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T /
     C]`` int32 or None; d_o: ``[B, T, HV, V]``; d_delta_local: ``[B, T, HV,
     V]`` float32, the output's share of dDelta; d_final: ``[N, HV, K, V]``;
     decayed: for a per-channel gate, ``(Q e^g, K e^{g_C - g})``, ``[B, T,
