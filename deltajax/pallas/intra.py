@@ -1,13 +1,16 @@
 """Intra-chunk kernels of a per-channel (KDA) gate: the gate, the scores.
 
-:func:`chunk_gates`: the chunk-local cumulative gate ``g = cumsum(a)``, read
-in a's ``[B, T, HV, K]`` layout and written per value head.
+:func:`chunk_gates` (the backward's): the chunk-local cumulative gate ``g =
+cumsum(a)``, read in a's ``[B, T, HV, K]`` layout and written per value head,
+and operands decayed by it.
 
-Forward (:func:`forward`), parallel over (batch, value head, chunk, row
-block): the strictly lower ``A = Gamma * K K^T`` of the UT system and the
-output's causal ``P = scale Gamma * Q K^T``, ``[C, C]`` per chunk, where
-``Gamma_ijk = exp(g_ik - g_jk)``. :func:`ut.inverse` and the output kernels
-then work on plain matrices, as for a scalar gate.
+Forward (:func:`forward`), parallel over (batch, value head, chunk): the
+same gate and decayed operands (g itself kept only at each chunk's end), and
+the strictly lower ``A = Gamma * K K^T`` of the UT system and the output's
+causal ``P = scale Gamma * Q K^T``, ``[C, C]`` per chunk, where ``Gamma_ijk
+= exp(g_ik - g_jk)``; a second pass forms the scores of the chunks whose
+gate is not gentle (below), row block by row block. :func:`ut.inverse` and
+the output kernels then work on plain matrices, as for a scalar gate.
 
 Backward (:func:`backward`), parallel over (batch, value head, chunk, block
 of key channels): the UT kernel leaves the cotangent ``dM`` (of ``M =
@@ -212,10 +215,11 @@ def _store_scores(*, p_ref, kk_ref, cuts_ref, start, qk, kk, scale):
   """Stores the rows from ``start`` of P (``scale qk``) and A (``kk``),
   masked to their pairs."""
   at = ((start, qk.shape[0]), (0, qk.shape[1]))
-  p_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
-                         0).astype(p_ref.dtype)
-  kk_ref[...] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
-                          0).astype(kk_ref.dtype)
+  rows = pl.ds(start, qk.shape[0])
+  p_ref[rows, :] = jnp.where(_pairs(*at, cuts_ref, strict=False), scale * qk,
+                             0).astype(p_ref.dtype)
+  kk_ref[rows, :] = jnp.where(_pairs(*at, cuts_ref, strict=True), kk,
+                              0).astype(kk_ref.dtype)
 
 
 def _forward_whole_chunk(*, q_ref, k_ref, kr_ref, gates, cuts_ref, kk_ref,
@@ -303,18 +307,23 @@ def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
 def _scores_by_blocks_kernel(*, a_ref, g_end_ref, q_ref, k_ref, kr_ref,
                              g_ref, cuts_ref, kk_ref, p_ref, scale, dot,
                              block_k, **done):
-  """The forward's second pass: the rows of one block (the first grid
-  index) of a chunk whose gate is not gentle; ``done`` (the first pass's
-  scores, aliased to this pass's) is not read."""
+  """The forward's second pass: a chunk whose gate is not gentle, block of
+  rows by block (one program per chunk: most chunks exit at once);
+  ``done`` (the first pass's scores, aliased to this pass's) is not read."""
   del done
-  # (The block index is read outside pl.when: interpret mode needs it.)
-  start = pl.program_id(0) * SUB
+
+  def block(i, carry):
+    _forward_by_blocks(
+        start=i * SUB, q_ref=q_ref, k_ref=k_ref,
+        kr_ref=k_ref if kr_ref is None else kr_ref, g_ref=g_ref,
+        cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot,
+        block_k=block_k)
+    return carry
   gentle = _falls_gently(_first_gate(a_ref), g_end_ref[...])
-  pl.when(~gentle)(lambda: _forward_by_blocks(
-      start=start, q_ref=q_ref, k_ref=k_ref,
-      kr_ref=k_ref if kr_ref is None else kr_ref, g_ref=g_ref,
-      cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot,
-      block_k=block_k))
+
+  @pl.when(~gentle)
+  def _():
+    lax.fori_loop(0, k_ref.shape[0] // SUB, block, 0)
 
 
 def _row_side(*, start, gentle, g_ref, k_ref, d_rows, mm):
@@ -543,20 +552,19 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     returns them.
   """
   bsz, t_len, h, dk = k.shape
-  c, blocks, n = chunk_size, chunk_size // SUB, t_len // chunk_size
+  c, n = chunk_size, t_len // chunk_size
   sp = _chunk_rows(c, heads // h, None)
   per_chunk = (bsz, heads, t_len, c)
   ends = core.block(None, None, None, dk)(lambda m, i, j, n: (i, j, n, 0))
   inputs = dict(a_ref=(a, sp["keys"](dk)), cuts_ref=(cuts, sp["gate"]),
                 q_ref=(q, sp["qk"](dk)), k_ref=(k, sp["qk"](dk)),
                 kr_ref=(kr, sp["keys"](dk)))
-  scores = lambda spec: dict(
+  chunk = core.block(None, None, c, c)(lambda m, i, j, n: (i, j, n, 0))
+  chunks = dict(
       kk_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(k.dtype)),
-              spec),
+              chunk),
       p_ref=(jax.ShapeDtypeStruct(per_chunk, core.accumulator(q.dtype)),
-             spec))
-  chunks = scores(core.block(None, None, c, c)(
-      lambda m, i, j, n: (i, j, n, 0)))
+             chunk))
   outputs = dict(
       g_ref=(jax.ShapeDtypeStruct((bsz, heads, t_len, dk), a.dtype),
              sp["g"](dk)),
@@ -571,18 +579,16 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
   g, g_end, kk, p, *decayed = run(
       _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
       outputs=outputs, name="deltajax_intra", as_tuple=True, counts=counts)
-  # The chunks whose gate is not gentle, by blocks of rows, written into the
-  # first pass's outputs.
+  # The chunks whose gate is not gentle, written into the first pass's
+  # outputs.
   kk, p = run(
-      _scores_by_blocks_kernel, grid=(blocks, bsz, heads, n),
+      _scores_by_blocks_kernel, grid=(1, bsz, heads, n),
       inputs=dict(a_ref=inputs["a_ref"], g_end_ref=(g_end, ends),
                   q_ref=inputs["q_ref"], k_ref=inputs["k_ref"],
                   kr_ref=inputs["kr_ref"], g_ref=(g, sp["g"](dk)),
                   cuts_ref=inputs["cuts_ref"],
-                  kk_done_ref=(kk, chunks["kk_ref"][1]),
-                  p_done_ref=(p, chunks["p_ref"][1])),
-      outputs=scores(core.block(None, None, SUB, c)(
-          lambda m, i, j, n: (i, j, n * blocks + m, 0))),
+                  kk_done_ref=(kk, chunk), p_done_ref=(p, chunk)),
+      outputs=chunks,
       aliases=dict(kk_done_ref="kk_ref", p_done_ref="p_ref"),
       name="deltajax_intra_blocks")
   starts = tuple(decayed[:len(from_start)])
