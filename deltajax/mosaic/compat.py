@@ -15,6 +15,8 @@ stands in for them when interpreting:
 
 Between releases, ``plgpu.load`` takes its index positionally in 0.10 and
 optionally in 0.11 (:meth:`Mosaic.load` passes ``()``).
+:func:`shared_memory_bytes` reads a kernel's shared memory from Mosaic
+GPU's lowering, whose internals it relies on.
 
 So the interpreter checks the kernels' data movement (TMA copies, barriers:
 it runs the warpgroups and insists that every barrier phase be observed)
@@ -27,11 +29,13 @@ compiled only on the GPU (benchmarks/mosaic_check.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 WGMMA = plgpu.Layout.WGMMA
@@ -47,6 +51,21 @@ def interpret_params():
   except ImportError:  # a JAX without the Mosaic GPU interpreter
     return None
   return InterpretGPUParams()
+
+
+def shared_memory_bytes(fn, *args):
+  """The shared memory per CTA, in bytes, that the first Mosaic GPU kernel
+  of ``fn`` on ``args`` (shapes and dtypes) requests, lowered for CUDA
+  without a GPU: Mosaic GPU's check of the request against a limit, here
+  0, names it."""
+  with mgpu_core.artificial_shared_memory_limit(0):
+    try:
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    except ValueError as e:
+      if found := re.search(r"smem_bytes=(\d+)", str(e)):
+        return int(found.group(1))
+      raise
+  raise ValueError("no Mosaic GPU kernel takes shared memory")
 
 
 def rows(x, shape):
