@@ -44,13 +44,21 @@ ROWS = WGMMA.reduce(1)  # one value per row of a WGMMA tile
 COLS = WGMMA.reduce(0)  # one value per column
 
 
-def interpret_params():
-  """The interpreter's parameters (None where JAX has no interpreter)."""
+def interpret_params(detect_races=False):
+  """The interpreter's parameters (None where JAX has no interpreter), its
+  race detector on or off."""
   try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   except ImportError:  # a JAX without the Mosaic GPU interpreter
     return None
-  return InterpretGPUParams()
+  return InterpretGPUParams(detect_races=detect_races)
+
+
+def races_found():
+  """Whether the interpreter's race detector found a race in the last
+  kernel interpreted with it (:class:`Mosaic` ``detect_races``)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  return gpu_callbacks.get_races().races_found
 
 
 def shared_memory_bytes(fn, *args):
@@ -99,15 +107,18 @@ class T:
 @dataclasses.dataclass(frozen=True)
 class Mosaic:
   """The kernels' view of Mosaic GPU: compiled (``interpret=False``) or
-  interpreted on the CPU."""
+  interpreted on the CPU (``detect_races``: with the interpreter's race
+  detector, see :func:`races_found`)."""
   interpret: bool
+  detect_races: bool = False
 
   def kernel(self, body, **kwargs):
     """``plgpu.kernel`` (interpreted, or compiled with fast math), traced
     with 32-bit defaults: the kernels index with int32 (block ids, loop
     counters), which ``jax_enable_x64`` would mix with int64."""
     if self.interpret:
-      call = plgpu.kernel(body, interpret=interpret_params(), **kwargs)
+      call = plgpu.kernel(body, interpret=interpret_params(self.detect_races),
+                          **kwargs)
     else:
       call = plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
           approx_math=True), **kwargs)
