@@ -15,6 +15,8 @@ stands in for them when interpreting:
 
 Between releases, ``plgpu.load`` takes its index positionally in 0.10 and
 optionally in 0.11 (:meth:`Mosaic.load` passes ``()``).
+:func:`shared_memory_bytes` reads a kernel's shared memory from Mosaic
+GPU's lowering, whose internals it relies on.
 
 So the interpreter checks the kernels' data movement (TMA copies, barriers:
 it runs the warpgroups and insists that every barrier phase be observed)
@@ -27,11 +29,13 @@ compiled only on the GPU (benchmarks/mosaic_check.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 WGMMA = plgpu.Layout.WGMMA
@@ -40,13 +44,36 @@ ROWS = WGMMA.reduce(1)  # one value per row of a WGMMA tile
 COLS = WGMMA.reduce(0)  # one value per column
 
 
-def interpret_params():
-  """The interpreter's parameters (None where JAX has no interpreter)."""
+def interpret_params(detect_races=False):
+  """The interpreter's parameters (None where JAX has no interpreter), its
+  race detector on or off."""
   try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   except ImportError:  # a JAX without the Mosaic GPU interpreter
     return None
-  return InterpretGPUParams()
+  return InterpretGPUParams(detect_races=detect_races)
+
+
+def races_found():
+  """Whether the interpreter's race detector found a race in the last
+  kernel interpreted with it (:class:`Mosaic` ``detect_races``)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  return gpu_callbacks.get_races().races_found
+
+
+def shared_memory_bytes(fn, *args):
+  """The shared memory per CTA, in bytes, that the first Mosaic GPU kernel
+  of ``fn`` on ``args`` (shapes and dtypes) requests, lowered for CUDA
+  without a GPU: Mosaic GPU's check of the request against a limit, here
+  0, names it."""
+  with mgpu_core.artificial_shared_memory_limit(0):
+    try:
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    except ValueError as e:
+      if found := re.search(r"smem_bytes=(\d+)", str(e)):
+        return int(found.group(1))
+      raise
+  raise ValueError("no Mosaic GPU kernel takes shared memory")
 
 
 def rows(x, shape):
@@ -80,15 +107,18 @@ class T:
 @dataclasses.dataclass(frozen=True)
 class Mosaic:
   """The kernels' view of Mosaic GPU: compiled (``interpret=False``) or
-  interpreted on the CPU."""
+  interpreted on the CPU (``detect_races``: with the interpreter's race
+  detector, see :func:`races_found`)."""
   interpret: bool
+  detect_races: bool = False
 
   def kernel(self, body, **kwargs):
     """``plgpu.kernel`` (interpreted, or compiled with fast math), traced
     with 32-bit defaults: the kernels index with int32 (block ids, loop
     counters), which ``jax_enable_x64`` would mix with int64."""
     if self.interpret:
-      call = plgpu.kernel(body, interpret=interpret_params(), **kwargs)
+      call = plgpu.kernel(body, interpret=interpret_params(self.detect_races),
+                          **kwargs)
     else:
       call = plgpu.kernel(body, compiler_params=plgpu.CompilerParams(
           approx_math=True), **kwargs)

@@ -29,7 +29,8 @@ chunk, value head); products with 16-bit operands (dDelta, dW, dX and dE
 rounded to them, as the Pallas kernel does; the bracket of dM in two
 passes) and float32 accumulation. The value blocks' tiles and the keys'
 side's share one region of shared memory (two scopes), so that two CTAs fit
-on a multiprocessor at K = 128 (about 90 KB each, 170 KB before).
+on a multiprocessor at K = V = 128 (97 KB each with 16-bit dk_out and dk,
+121 KB, one CTA, with float32 ones; 170 KB before).
 
 A per-channel gate (KDA, g ``[C, K]``) gives, as the Pallas kernel, dk, db
 and the cumulative gate's ``dg [C, K]`` without the scores' shares, and
@@ -41,8 +42,11 @@ staged in 16 bits), ``dk = e^{g_C - g} * dK_end + diag(b) e^g * dX_k``,
 adds the chunk end's share ``rowsum(dS' * S') = sum_i (K e^{g_C - g} *
 dK_end)_i + e^{g_C} rowsum(dS' * S)`` (the sum over rows as one product of
 a row of ones with the term's two 16-bit halves). Every exponent is ``<=
-0``. The gate's float32 tile takes 32 KB: 138 KB of shared memory per CTA
-at K = V = 128 (one CTA per multiprocessor).
+0``. The gate's float32 tile (32 KB at K = 128) arrives after the value
+blocks, in their region, while ``dX_k`` is formed, and is read once into
+registers; the outputs' staging (dk then dg, and dM) takes its place: 111
+KB of shared memory per CTA at K = V = 128, two CTAs per multiprocessor
+(143 KB, one, with the tile beside the value blocks' tiles).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 _CHUNK_INPUTS = 7  # TMA copies: k, T, the gate twice, b twice, dg_out
-# (per channel: the gate's tile and its last row, no dg_out)
+# (per channel: the gate's last row alone, no dg_out; its tile comes later)
 _BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS'
 
 
@@ -226,17 +230,16 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
 
 def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
                   delta_ref, dd_ref, dk_ref, dv_ref, db_ref, dg_ref, dm_ref,
-                  k_s, t_s, g_s, g_end_s, b_s, b_cols, vec_s, key_vec_s, bar,
-                  block_bar, *, groups, dtype):
-  """One chunk of a per-channel gate's backward (g ``[C, K]`` in ``g_s``,
-  its last row in ``g_end_s``): dk, db and the cumulative gate's dg without
-  the scores' shares, and dM for :func:`deltajax.pallas.intra.backward`."""
+                  k_s, t_s, g_end_s, b_s, b_cols, vec_s, key_vec_s, bar,
+                  block_bar, g_bar, *, groups, dtype):
+  """One chunk of a per-channel gate's backward (g ``[C, K]``, its last row
+  in ``g_end_s``): dk, db and the cumulative gate's dg without the scores'
+  shares, and dM for :func:`deltajax.pallas.intra.backward`."""
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, dk_dim = pl.ds(n * C, C), k_s.shape[1]
   keys, square = (C, dk_dim), (C, C)
   compat.copy_in(((k_ref.at[bi, tokens, lax.div(h, groups)], k_s),
                   (t_ref.at[bi, h, tokens], t_s),
-                  (g_ref.at[bi, h, tokens], g_s),
                   (g_ref.at[bi, h, n * C + C - 1], g_end_s),
                   (b_ref.at[bi, h, tokens], b_s),
                   (b_ref.at[bi, h, tokens], b_cols)), bar)
@@ -244,15 +247,35 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
       t_s, b_s, bar, block_bar, dtype)
 
-  def keys_side(dw_s, kg_s, out_s, dm_s):
-    """dM, then dk, db and dg (in the shared memory of the value blocks)."""
-    beta, g = mg.load(b_s, ROWS), mg.load(g_s, WGMMA)
-    k = mg.load(k_s, WGMMA).astype(jnp.float32)
-    from_start = jnp.exp(g)
-    kg_s[...] = (k * from_start).astype(dtype)
-    dw_s[...] = (-minus_dw).astype(dtype)
-    plgpu.commit_smem()
-    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+  def keys_side(dw_s, kg_s):
+    """dM, then dk, db and dg (in the shared memory of the value blocks):
+    the gate's tile in a scope of its own, read once into registers, then
+    the outputs' staging in its place."""
+    def gate(g_s):
+      """``(dX_k = T^T dW, K, g, e^g)``, float32 ``[C, K]``, with ``K e^g``
+      in kg_s; the gate's copy arrives while dX_k is formed."""
+      plgpu.copy_gmem_to_smem(g_ref.at[bi, h, tokens], g_s, g_bar)
+      dw_s[...] = (-minus_dw).astype(dtype)
+      plgpu.commit_smem()
+      (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+      plgpu.barrier_wait(g_bar)
+      g = mg.load(g_s, WGMMA)
+      k = mg.load(k_s, WGMMA).astype(jnp.float32)
+      from_start = jnp.exp(g)
+      kg_s[...] = (k * from_start).astype(dtype)
+      plgpu.commit_smem()  # every row has read g_s before its reuse
+      return d_xk, k, g, from_start
+
+    d_xk, k, g, from_start = pl.run_scoped(gate,
+                                           compat.smem(keys, jnp.float32))
+    pl.run_scoped(
+        lambda out_s, dm_s: outputs(dw_s, kg_s, out_s, dm_s, d_xk, k, g,
+                                    from_start),
+        compat.smem(keys, jnp.float32), compat.smem(square, jnp.float32))
+
+  def outputs(dw_s, kg_s, out_s, dm_s, d_xk, k, g, from_start):
+    """dM, dk, db and dg, staged in out_s (dk, then dg) and dm_s."""
+    beta = mg.load(b_s, ROWS)
     # -dM = dX_v U^T + dX_k W^T = (Z + dX_k (K e^g)^T) diag(b) T^T for U =
     # T diag(b) V, W = T diag(b) (K e^g), never formed; the bracket in two
     # 16-bit passes.
@@ -296,9 +319,7 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.wait_smem_to_gmem(0)
 
   keys_tile = compat.smem(keys, dtype)
-  pl.run_scoped(keys_side, keys_tile, keys_tile,
-                compat.smem(keys, jnp.float32),
-                compat.smem(square, jnp.float32))
+  pl.run_scoped(keys_side, keys_tile, keys_tile)
 
 
 class _Dtypes(NamedTuple):
@@ -343,10 +364,11 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
                 jax.ShapeDtypeStruct(b.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
                 jax.ShapeDtypeStruct(t.shape, f32)]
-    scratch = [*chunk_shared, compat.smem((C, dk), f32),
-               plgpu.SMEM((dk,), f32), vec, vec, vec, plgpu.SMEM((dk,), f32),
-               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - 1),
-               plgpu.Barrier(num_arrivals=_BLOCK_INPUTS)]
+    scratch = [*chunk_shared, plgpu.SMEM((dk,), f32), vec, vec, vec,
+               plgpu.SMEM((dk,), f32),
+               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - 2),
+               plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
+               plgpu.Barrier(num_arrivals=1)]
     body = lambda *refs: _channel_body(mg, *refs, groups=heads // h,
                                        dtype=dtype)
     inputs = (k, v, g, b, t, states, d_next, delta, d_delta)
