@@ -153,6 +153,28 @@ def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
   _check("mosaic", args, cts, label=f"kda mosaic T={t} D={d} HV={hv}")
 
 
+@pytest.mark.skipif(pallas.gpu_capability() is None
+                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
+                    reason="impl='mosaic' needs Hopper (compute capability "
+                    "9.0)")
+@pytest.mark.parametrize("t,d,hv,gate_div", [(64, 64, None, 4.0),
+                                             (1024, 128, 8, 64.0)])
+def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
+  """KDA with every Mosaic GPU backward kernel that takes the per-channel
+  gate (``backward=mosaic.BACKWARD``: the reverse pass and ut_backward,
+  whose gate tile reuses the value blocks' shared memory, an ordering the
+  interpreter cannot check), called directly (T a multiple of the
+  chunk)."""
+  def all_mosaic(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a, b, s0, None, None, scale=q.shape[-1] ** -0.5,
+        chunk_size=mosaic.CHUNK, backward=mosaic.BACKWARD)
+  args, cts = _inputs(t, d, seed=t * 1000 + d + 3, h=4, hv=hv,
+                      per_channel=True, gate_div=gate_div,
+                      nonnegative_qk=True)
+  _check(all_mosaic, args, cts, label=f"kda mosaic ut_backward T={t} D={d}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],
                          ids=("bf16", "float32"))
 def test_kda_pallas_matches_float64_reference(dtype):

@@ -286,9 +286,10 @@ def _mosaic_vjp(args, cotangents, **options):
 
 def test_per_channel_ut_backward_in_mosaic_gpu():
   """KDA's backward with the Mosaic GPU ut_backward (``backward`` naming
-  it; by default per channel the Pallas one runs, faster on the H200) gives
-  the default's outputs and gradients up to bf16 rounding: K = 128, V =
-  64, three chunks, the strong gates of :func:`utils.strong_kda_inputs`."""
+  it; by default per channel at K = 128 the Pallas one runs, faster on the
+  H200) gives the default's outputs and gradients up to bf16 rounding: K =
+  128, V = 64, three chunks, the strong gates of
+  :func:`utils.strong_kda_inputs`."""
   x = utils.strong_kda_inputs(3, length=192, key_dim=128, value_dim=64)
   args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
           *(jnp.asarray(t, jnp.float32) for t in x[3:]))
@@ -310,6 +311,16 @@ def test_default_schedule():
   assert ops._default_schedule(per_channel=True) == "one"
   with jax.enable_x64(True):
     assert ops._default_schedule(per_channel=False) == "one"
+
+
+def test_default_backward():
+  """Every Mosaic GPU backward kernel for the per-head gate; per channel
+  the reverse pass, and ut_backward at K <= 64 (faster on the H200 there,
+  slower at K = 128: RESULTS run R)."""
+  assert ops._default_backward(False, 128) == mosaic.BACKWARD
+  assert ops._default_backward(True, 64) == ("reverse", "ut")
+  assert ops._default_backward(True, 100) == ("reverse",)
+  assert ops._default_backward(True, 128) == ("reverse",)
 
 
 def test_scan_schedules_give_the_same_results():

@@ -29,8 +29,8 @@ is the Pallas one (:func:`deltajax.pallas.ops.backward`) on the residuals
 it keeps (with P), but for the reverse state pass and the backward through
 the UT transform, which run in Mosaic GPU (:func:`reverse.backward` on the
 decayed operands, :func:`ut_backward.ut_backward` on the gate's tile) where
-``backward`` has them (by default the reverse pass alone; the other Mosaic
-backward kernels take the per-head gate only).
+``backward`` has them (by default the reverse pass, and ut_backward at K
+<= 64 only; the other Mosaic backward kernels take the per-head gate only).
 
 Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
 dims up to 128 (zero-padded to 64 or 128), grouped value heads (the kernels
@@ -148,9 +148,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform);
       the others are the Pallas ones, as is the rest of the backward. None
-      (the default): all of them for the per-head gate, the reverse pass
-      alone per channel (with "ut" too KDA's forward+backward took 3.180
-      against 2.880 ms at (4, 4096, 16, 128) on the H200, RESULTS run P). Each
+      (the default): :func:`_default_backward`, all of them for the
+      per-head gate; per channel the reverse pass, and "ut" where K <= 64.
+      Each
       runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
       or 128. The Mosaic GPU backward through the UT transform needs
       neither W nor U, so with it :func:`ut.w_u` forms W alone, for the
@@ -194,7 +194,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"'one' and the Pallas inverse; got {schedule!r}, "
                      f"{inverse!r}")
   if backward is None:
-    backward = ("reverse",) if a.shape[-1] > 1 else BACKWARD
+    backward = _default_backward(a.shape[-1] > 1, q.shape[-1])
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
@@ -216,6 +216,19 @@ def _default_schedule(per_channel):
   if per_channel or jax.config.jax_enable_x64:
     return "one"
   return "specialized"
+
+
+def _default_backward(per_channel, key_dim):
+  """The Mosaic GPU backward kernels when none are asked for: all of them
+  for the per-head gate. Per channel, the reverse pass, with ut_backward
+  only where K <= 64: KDA's forward+backward on the H200 (RESULTS run R, ms,
+  Pallas ut_backward against Mosaic) at K = 64 1.402 / 1.287 at (4, 4096,
+  16, 64), 0.401 / 0.386 at (8, 1024, 8, 64), with fewer temporaries; at K
+  = 128 2.819 / 3.076 at (4, 4096, 16, 128), 2.821 / 3.063 with grouped
+  value heads (the Mosaic kernel 1.0 ms against 0.74)."""
+  if not per_channel:
+    return BACKWARD
+  return ("reverse", "ut") if key_dim <= 64 else ("reverse",)
 
 
 def _option(name, value, needs, backward):
