@@ -6,8 +6,9 @@
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
 KDA and Gated DeltaNet-2; beta, or GDN-2's erase and write gates, sigmoids
-of N(0, 1)): forward and forward+backward of each implementation, of jla
-(``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule``,
+of N(0, 1)): forward and forward+backward (a training step: the loss
+``sum(o * dO)`` and its gradients, ``jax.value_and_grad``) of each
+implementation, of jla (``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule``,
 ``chunk_kda`` or ``chunk_gdn2``), all timed the same way (:func:`median_ms`), the JAX
 backward's temporaries (XLA ``memory_analysis``), and a decoding step timed
 inside a jitted loop of 100 steps. Prints a markdown table with ratios to
@@ -103,7 +104,10 @@ def time_jax(attention, inputs, reps):
     o = attention(q, k, v, a, b)
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  # The loss is returned, so o is formed: with jax.grad alone XLA drops a
+  # forward kernel that only forms o (jla's: its backward recomputes the
+  # states), and the backward would be timed against a whole step.
+  fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   memory = fwd_bwd.lower(q, k, v, a, b).compile().memory_analysis()
   o = fwd(q, k, v, a, b).block_until_ready()
   t_fwd = median_ms(lambda: fwd(q, k, v, a, b), reps)
