@@ -77,8 +77,8 @@ def stage_inputs(shape, gate="gdn", c=64):
   arrays = {"inverse": dict(k=k, g=g, b=beta, cuts=None, a=None)}
   p = None
   if channel:
-    arrays["intra"] = dict(q=q, k=k, g=g, cuts=None)
-    a_kk, p = run("intra", **arrays["intra"])
+    arrays["intra"] = dict(q=q, k=k, a=a, cuts=None)
+    a_kk, p, *_ = run("intra", **arrays["intra"])
     arrays["inverse"].update(g=None, a=a_kk)
   t = run("inverse", **arrays["inverse"])
   arrays["forward_scan"] = dict(k=k, v=v, g=g, b=beta, cuts=None,
