@@ -30,6 +30,11 @@ pytestmark = [
         reason="needs an NVIDIA GPU of compute capability >= 8.0"),
 ]
 
+_needs_hopper = pytest.mark.skipif(
+    pallas.gpu_capability() is None
+    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
+    reason="impl='mosaic' needs Hopper (compute capability 9.0)")
+
 TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, dh0=0.008,
                   da=0.02, db=0.02, dw=0.02)
 
@@ -106,9 +111,7 @@ def test_pallas_bf16_matches_float64_reference(t, d):
   _check("pallas", args, cts, label=f"pallas T={t} D={d}")
 
 
-@pytest.mark.skipif(pallas.gpu_capability() is None
-                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
-                    reason="impl='mosaic' needs Hopper (compute capability 9.0)")
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(63, 100, None), (1000, 64, None),
                                     (4096, 128, None), (1000, 128, 4)])
 def test_mosaic_bf16_matches_float64_reference(t, d, hv):
@@ -118,9 +121,7 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
   _check("mosaic", args, cts, label=f"mosaic T={t} D={d} HV={hv}")
 
 
-@pytest.mark.skipif(pallas.gpu_capability() is None
-                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
-                    reason="impl='mosaic' needs Hopper (compute capability 9.0)")
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
 def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
@@ -137,10 +138,7 @@ def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
   _check(one, args, cts, label=f"one warpgroup T={t} D={d} HV={hv}")
 
 
-@pytest.mark.skipif(pallas.gpu_capability() is None
-                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
-                    reason="impl='mosaic' needs Hopper (compute capability "
-                    "9.0)")
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv,gate_div", [(63, 100, None, 4.0),
                                              (1024, 128, 8, 64.0)])
 def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
@@ -153,10 +151,7 @@ def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
   _check("mosaic", args, cts, label=f"kda mosaic T={t} D={d} HV={hv}")
 
 
-@pytest.mark.skipif(pallas.gpu_capability() is None
-                    or pallas.gpu_capability() < mosaic.MIN_CAPABILITY,
-                    reason="impl='mosaic' needs Hopper (compute capability "
-                    "9.0)")
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv,gate_div", [(64, 64, None, 4.0),
                                              (1024, 128, 8, 64.0)])
 def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
