@@ -122,6 +122,21 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
 
 
 @_needs_hopper
+@pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
+                                    (1000, 128, 4)])
+def test_mosaic_fused_reverse_matches_float64_reference(t, d, hv):
+  """The three-warpgroup reverse pass that forms W and dDelta_local itself
+  (``fused_reverse``), with the three-warpgroup scan, called directly."""
+  def fused(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
+        chunk_size=mosaic.CHUNK, schedule="specialized", fused_reverse=True)
+  t = t // 64 * 64  # called directly: T a multiple of the chunk
+  args, cts = _inputs(t, d, seed=t * 1000 + d + 9, hv=hv)
+  _check(fused, args, cts, label=f"fused reverse T={t} D={d} HV={hv}")
+
+
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
 def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):

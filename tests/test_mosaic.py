@@ -341,6 +341,24 @@ def test_scan_schedules_give_the_same_results():
     _mosaic_vjp(args, cts, schedule="two")
 
 
+def test_fused_reverse_agrees_with_the_unfused_one():
+  """The three-warpgroup reverse pass that forms W and dDelta_local itself
+  (``fused_reverse``) gives the unfused backward's gradients to float32
+  rounding (the same 16-bit roundings of W and P), over three chunks with
+  K != V; one CTA (the interpreter can stall with several three-warpgroup
+  CTAs on two cores). Refused without its kernels or schedule."""
+  args, cts = _contract_inputs(11, length=192, value_heads=1, key_dim=128,
+                               value_dim=64)
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=fused))
+            for fused in (True, False)]
+  for i, (got, want) in enumerate(zip(*leaves)):
+    got, want = (np.asarray(x, np.float64) for x in (got, want))
+    assert utils.relative_rms_error(got, want) < 1e-6, i
+  for options in (dict(schedule="one"), dict(backward=("reverse",))):
+    with pytest.raises(ValueError, match="fused_reverse needs"):
+      _mosaic_vjp(args, cts, fused_reverse=True, **options)
+
+
 def test_backward_kernels_agree_with_the_pallas_ones():
   """Each backward kernel in Mosaic GPU alone, and all of them, against the
   Pallas backward on the same saved values (``backward=()``): the gradients
@@ -526,6 +544,11 @@ def test_kernels_lower_for_the_gpu(schedule):
          (decayed(dk), decayed(dk), decayed(dk), f32(1, 2, 2, dk),
           shape(1, 128, 2, 128), f32(1, 128, 2, 128), f32(1, 2, dk, 128)))
         for dk in ((64, 128) if schedule == "one" else ())),
+      # The three-warpgroup reverse pass forming W and dDelta_local.
+      *((lambda *x: reverse.specialized(mg, *x, scale=0.1),
+         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
+          shape(1, 2, 128, 128, dtype=jnp.float32)))
+        for _ in ((0,) if schedule != "one" else ())),
       # The reverse pass carrying dS^T with the transposed scans.
       (lambda *x: reverse.backward(mg, *x, scale=0.1,
                                    transposed=schedule != "one"),

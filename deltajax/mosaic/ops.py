@@ -18,7 +18,11 @@ the Pallas one): ``W`` (and ``U`` for the Pallas ut_backward:
 (:func:`reverse.backward`), the backward through the UT transform
 (:func:`ut_backward.ut_backward`). The forward under differentiation also
 writes what that backward keeps from its own forward (``T``, the chunk-entry
-states, Delta, at those padded head dims), so nothing is recomputed.
+states, Delta, at those padded head dims), so nothing is recomputed. With
+``fused_reverse`` (and the scan's three warpgroups), the reverse pass has
+three too and forms W and the output's share of dDelta itself
+(:func:`reverse.specialized`): no ``ut.w_u``, and no float32 dDelta_local
+through HBM.
 
 A per-channel gate (KDA, ``a [B, T, HV, K]``): the Pallas kernels form the
 gate, the decayed operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, the
@@ -73,11 +77,30 @@ class _BackwardKernel(NamedTuple):
   widths: tuple[str, ...]  # arguments whose last dim must be 64 or 128
 
 
+class _WFromT(NamedTuple):
+  """W left to the reverse pass (:func:`reverse.specialized`), which forms
+  it from T and beta."""
+  t: jax.Array
+  beta: jax.Array
+
+
+def _w_u(mg, k, v, g, b, t, *, values, deferred):
+  """:func:`ut.w_u`, or with ``deferred`` its inputs for the reverse
+  pass."""
+  if deferred:
+    return _WFromT(t, b), None
+  return ut.w_u(mg, k, v, g, b, t, values=values)
+
+
 def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
              **options):
   """:func:`reverse.backward` on the Pallas pass's arguments: per channel
   (``decayed``: ``(Q e^g, K e^{g_C - g})``; g at each chunk's end), those
-  in place of q and k."""
+  in place of q and k; :func:`reverse.specialized` where W is left to it
+  (it forms dDelta_local too)."""
+  if isinstance(w, _WFromT):
+    return reverse.specialized(mg, q, k, w.t, g, w.beta, d_o, d_final,
+                               scale=scale)
   if decayed is not None:
     q, k = decayed
   return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
@@ -98,7 +121,7 @@ def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
 
 _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
-        "w_u", ut.w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
+        "w_u", _w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
     "output": _BackwardKernel(
         "output_backward", output.output_backward,
         pallas_output.output_backward,
@@ -119,7 +142,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", backward=None,
-                       narrow_dk=None):
+                       narrow_dk=None, fused_reverse=False):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -162,6 +185,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float32: in bf16 it took da from 4.7e-2 to 5.4e-2 relative RMS at
       strong gates, tests/test_mosaic.py; the two narrowed together took 4 %
       off forward+backward at (4, 4096, 16, 128), RESULTS run M.)
+    fused_reverse: the reverse pass in three warpgroups that forms W and
+      dDelta_local itself (:func:`reverse.specialized`): :func:`ut.w_u`
+      does not run and the output's backward writes no dDelta_local. True
+      needs all of :data:`BACKWARD` and schedule "specialized". Off by
+      default until timed on the H200 against the unfused pass.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -200,8 +228,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
                      f"choices are {BACKWARD}")
   narrow_dk = _option("narrow_dk", narrow_dk, ("output", "ut"), backward)
+  if fused_reverse and schedule != "specialized":
+    raise ValueError(f"fused_reverse needs schedule 'specialized'; got "
+                     f"{schedule!r}")
+  fused_reverse = _option("fused_reverse", fused_reverse, BACKWARD,
+                          backward) and schedule == "specialized"
   o, final = _mosaic(float(scale), (schedule, inverse),
-                     (tuple(backward), narrow_dk),
+                     (tuple(backward), narrow_dk, fused_reverse),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -304,8 +337,8 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse) and ``backward`` (its Mosaic kernels, narrow_dk) are
-  static."""
+  inverse) and ``backward`` (its Mosaic kernels, narrow_dk,
+  fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
@@ -332,25 +365,28 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(schedule, names, narrow_dk):
+def _kernel_options(schedule, names, narrow_dk, fused_reverse):
   """The Mosaic backward kernels' options, by name: the reverse pass
   carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; W alone
   from ut.w_u where the Mosaic ut_backward (which needs no U) takes it;
-  with ``narrow_dk``, a 16-bit share of dk from the output's backward. (The
-  kernels that an option couples fall back to Pallas at the same head
+  with ``narrow_dk``, a 16-bit share of dk from the output's backward;
+  with ``fused_reverse``, W and dDelta_local left to the reverse pass.
+  (The kernels that an option couples fall back to Pallas at the same head
   dims.)"""
   options = {name: {} for name in BACKWARD}
   options["reverse"]["transposed"] = schedule != "one"
   options["w_u"]["values"] = "ut" not in names
+  options["w_u"]["deferred"] = fused_reverse
   options["output"]["narrow_dk"] = narrow_dk
+  options["output"]["local_delta"] = not fused_reverse
   return options
 
 
 def _bwd(scale, plan, backward, residuals, cotangents):
-  names, narrow_dk = backward
+  names, narrow_dk, fused_reverse = backward
   if residuals[3].shape[-1] > 1:  # per channel: the reverse pass and ut
     names = tuple(n for n in names if n in ("reverse", "ut"))
-  options = _kernel_options(plan[0], names, narrow_dk)
+  options = _kernel_options(plan[0], names, narrow_dk, fused_reverse)
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}

@@ -17,7 +17,8 @@ from ``g_j`` what it gives ``k_j``, so the row and column sums of
 register layout. One CTA (one warpgroup) per (batch, chunk, value head): TMA
 brings q, k (head ``j // G``), the gate, ``S``, Delta and dO; six wgmmas
 with 16-bit operands (``P`` and ``dP~`` rounded to them, as the Pallas
-kernel does) and float32 accumulation.
+kernel does) and float32 accumulation; five without dDelta_local, which
+:func:`deltajax.mosaic.reverse.specialized` forms itself.
 """
 
 from __future__ import annotations
@@ -42,9 +43,14 @@ def _store(value, staging, dst):
   plgpu.copy_smem_to_gmem(staging, dst)
 
 
-def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
-          dd_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s, do_s, p_s,
-          dp_s, dq_s, dk_s, dd_s, dg_s, bar, *, groups, scale):
+def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
+          scale, local_delta):
+  if local_delta:
+    (dq_ref, dg_ref, dd_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s,
+     do_s, p_s, dp_s, dq_s, dk_s, dd_s, dg_s, bar) = refs
+  else:
+    (dq_ref, dg_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s, do_s,
+     p_s, dp_s, dq_s, dk_s, dg_s, bar) = refs
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
@@ -68,11 +74,13 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
   dp_s[...] = (gamma * dp).astype(dp_s.dtype)
   plgpu.commit_smem()
   dk_keys = (C, k_s.shape[1])
-  dd, dq, dk = mg.products([
-      ([(compat.T(p_s), do_s)], do_s.shape, None),
+  dq, dk, *dd = mg.products([
       ([(do_s, compat.T(s_s))], dk_keys, None),
-      ([(compat.T(dp_s), q_s)], dk_keys, None)])
-  _store(dd, dd_s, dd_ref.at[bi, tokens, h])
+      ([(compat.T(dp_s), q_s)], dk_keys, None),
+      *([([(compat.T(p_s), do_s)], do_s.shape, None)] if local_delta
+        else [])])
+  if local_delta:
+    _store(dd[0], dd_s, dd_ref.at[bi, tokens, h])
   _store(dk, dk_s, dk_ref.at[bi, tokens, h])
   (dq,) = mg.products([([(dp_s, k_s)], dk_keys,
                         lax.broadcast_in_dim(scale * jnp.exp(g), dk_keys, [0])
@@ -87,7 +95,7 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
 
 
 def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
-                    narrow_dk=False):
+                    narrow_dk=False, local_delta=True):
   """The output's cotangents, chunk by chunk.
 
   Args:
@@ -99,6 +107,8 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
     scale: Python float multiplying q.
     narrow_dk: dk in q's 16-bit dtype (for the Mosaic GPU ut_backward,
       which takes either), not float32.
+    local_delta: form dDelta_local (False: d_delta is None, for
+      :func:`deltajax.mosaic.reverse.specialized`).
 
   Returns:
     ``(dq [B, T, HV, K], dg [B, HV, T], d_delta [B, T, HV, V], dk [B, T, HV,
@@ -114,17 +124,25 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
   per_head = (bsz, t_len, heads, dk)
   out_type = [jax.ShapeDtypeStruct(per_head, dq_dtype),
               jax.ShapeDtypeStruct(g.shape, f32),
-              jax.ShapeDtypeStruct(d_o.shape, f32),
+              *([jax.ShapeDtypeStruct(d_o.shape, f32)] if local_delta
+                else []),
               jax.ShapeDtypeStruct(per_head, dk_dtype)]
   vec = plgpu.SMEM((C,), f32)
   keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
   square = compat.smem((C, C), dtype)
   scratch = [keys, keys, vec, vec, compat.smem((dk, dv), dtype), vals, vals,
              square, square, compat.smem((C, dk), dq_dtype),
-             compat.smem((C, dk), dk_dtype), compat.smem((C, dv), f32), vec,
+             compat.smem((C, dk), dk_dtype),
+             *([compat.smem((C, dv), f32)] if local_delta else []), vec,
              plgpu.Barrier(num_arrivals=_INPUTS)]
-  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
-  return mg.kernel(body, out_type=out_type, scratch_types=scratch,
-                   grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
-                   kernel_name="deltajax_mosaic_output_backward",
-                   )(q, k, g, states, delta, d_o)
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
+                             local_delta=local_delta)
+  outputs = mg.kernel(body, out_type=out_type, scratch_types=scratch,
+                      grid=(bsz, t_len // C, heads),
+                      grid_names=("b", "n", "h"),
+                      kernel_name="deltajax_mosaic_output_backward",
+                      )(q, k, g, states, delta, d_o)
+  if local_delta:
+    return tuple(outputs)
+  dq, dg, dk = outputs
+  return dq, dg, None, dk

@@ -20,6 +20,15 @@ dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes them
 to its products so (the Pallas pass writes dDelta in float32 over
 dDelta_local, in place; here, without aliasing, the 16-bit copy halves it).
 
+:func:`specialized` is the transposed pass in three warpgroups that also
+forms what the per-head pass reads, where :func:`backward` reads it from
+HBM: WG2 streams the chunks' q, k, T, gate, beta and dO through two slots;
+WG1 forms each chunk's ``W = T diag(b e^g) K`` and scores ``P = scale
+Gamma * Q K^T`` (16-bit, as :func:`ut.w_u` and the output's backward
+form them) into the slot; WG0 carries ``dS^T`` with ``dDelta_local^T =
+dO^T P`` one more product of the group that forms ``dS^T K^T``. So
+neither W nor the output's float32 dDelta_local goes through HBM.
+
 A per-channel gate (KDA; not ``transposed``) comes as the Pallas kernels'
 decayed operands (``per_channel`` of :func:`backward`), as the Pallas
 per-channel pass takes them::
@@ -182,6 +191,191 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
   plgpu.wait_smem_to_gmem(0)
+
+
+class _Formed(NamedTuple):
+  """:func:`specialized`'s shared memory: per-slot input tiles, the tiles
+  WG1 forms into the slot, then the per-chunk tiles."""
+  q: object       # [SLOTS, C, K]
+  k: object       # [SLOTS, C, K]
+  t: object       # [SLOTS, C, C]
+  g: object       # [SLOTS, C] float32
+  beta: object    # [SLOTS, C] float32
+  d_o: object     # [SLOTS, C, BV]
+  w: object       # [SLOTS, C, K] W, formed by WG1
+  p: object       # [SLOTS, C, C] P, formed by WG1
+  kb: object      # [C, K] WG1's diag(b e^g) K
+  ds: object      # [K, BV] dS's 16-bit copy
+  out: object     # [C, BV] dDelta
+  f: object       # [BV, K] float32: dS^T of the final, then initial state
+  loaded: object  # SLOTS barriers: a slot's tiles arrived
+  formed: object  # SLOTS barriers: WG1 formed the slot's W and P
+  free: object    # SLOTS barriers: WG0 and WG1 are done with the slot
+  final: object   # barrier: dS^T of the final state arrived
+  done: object    # barrier: every warpgroup is done
+
+
+def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
+                      dfinal_ref, d_delta_ref, d_next_ref, d_initial_ref,
+                      *scratch, groups, scale):
+  sh = _Formed(*scratch)
+  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
+  n_chunks = q_ref.shape[1] // C
+  dtype = sh.q.dtype
+
+  def at(i):
+    """``(n, slot)`` of the i-th chunk from the last."""
+    return n_chunks - 1 - i, lax.rem(i, SLOTS)
+
+  def issue(i):
+    n, slot = at(i)
+    tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
+    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
+                     (k_ref.at[bi, tokens, hk], sh.k),
+                     (t_ref.at[bi, h, tokens], sh.t),
+                     (g_ref.at[bi, h, tokens], sh.g),
+                     (b_ref.at[bi, h, tokens], sh.beta),
+                     (do_ref.at[bi, tokens, h, cols], sh.d_o)):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
+
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == 2)
+  def _memory():
+    mg.set_max_registers(40, action="decrease")
+    for i in range(min(SLOTS, n_chunks)):
+      issue(i)
+
+    @pl.loop(SLOTS, n_chunks)
+    def _refill(i):
+      plgpu.barrier_wait(sh.free.at[lax.rem(i, SLOTS)])  # chunk i - SLOTS's
+      issue(i)
+
+    @pl.loop(max(n_chunks - SLOTS, 0), n_chunks)
+    def _drain(i):  # observe the last chunks' releases too
+      plgpu.barrier_wait(sh.free.at[lax.rem(i, SLOTS)])
+
+  @pl.when(wg == 1)
+  def _form():
+    mg.set_max_registers(232, action="increase")
+
+    @pl.loop(0, n_chunks)
+    def _step(i):
+      _, slot = at(i)
+      plgpu.barrier_wait(sh.loaded.at[slot])  # and WG0 is done with the slot
+      keys, square = sh.kb.shape, (C, C)
+      g = mg.load(sh.g.at[slot], ROWS)
+      k = mg.load(sh.k.at[slot], WGMMA).astype(jnp.float32)
+      factor = mg.load(sh.beta.at[slot], ROWS) * jnp.exp(g)
+      sh.kb[...] = (compat.rows(factor, keys) * k).astype(dtype)
+      plgpu.commit_smem()
+      w, qk = mg.products([
+          ([(sh.t.at[slot], sh.kb)], keys, None),
+          ([(sh.q.at[slot], compat.T(sh.k.at[slot]))], square, None)])
+      causal = mg.iota(square, 0) >= mg.iota(square, 1)
+      # scale Gamma on j <= i, masked before exp (seed, section 4.1).
+      gamma = scale * jnp.exp(jnp.where(
+          causal, compat.rows(g, square) - lax.broadcast_in_dim(
+              mg.load(sh.g.at[slot], COLS), square, [1]), -jnp.inf))
+      sh.w.at[slot][...] = w.astype(dtype)
+      sh.p.at[slot][...] = (gamma * qk).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(sh.formed.at[slot])
+      plgpu.barrier_arrive(sh.free.at[slot])
+
+  @pl.when(wg == 0)
+  def _state():
+    mg.set_max_registers(232, action="increase")
+    tile = (BV, C)
+    per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
+
+    def step(i, ds_t):
+      n, slot = at(i)
+      plgpu.barrier_wait(sh.loaded.at[slot])
+      plgpu.barrier_wait(sh.formed.at[slot])
+      g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
+      ds_lo = ds_t.astype(dtype)
+      d_o_t = mg.load(compat.T(sh.d_o.at[slot]), WGMMA)
+      kds_t, local_t = mg.products([
+          ([(ds_lo, compat.T(sh.k.at[slot]))], tile, None),
+          ([(d_o_t, sh.p.at[slot])], tile, None)])
+      d_delta_t = local_t + per_column(jnp.exp(g_end - g)) * kds_t
+      read_t = per_column(scale * jnp.exp(g)) * d_o_t.astype(jnp.float32)
+
+      def stores():  # once chunk n + 1's have left
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        mg.store_transposed(sh.ds, ds_lo)
+        mg.store_transposed(sh.out, d_delta_t.astype(dtype))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
+        plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, pl.ds(n * C, C),
+                                                      h, cols])
+
+      (ds_t,) = mg.products(
+          [([(read_t.astype(dtype), sh.q.at[slot]),
+             ((-d_delta_t).astype(dtype), sh.w.at[slot])], ds_t.shape,
+            jnp.exp(g_end) * ds_t)], meanwhile=stores)
+      plgpu.barrier_arrive(sh.free.at[slot])
+      return ds_t
+
+    plgpu.copy_gmem_to_smem(dfinal_ref.at[bi, h, cols], sh.f, sh.final)
+    plgpu.barrier_wait(sh.final)
+    ds_t = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = ds_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[bi, h, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  # Every warpgroup leaves together (as in scan's "specialized").
+  plgpu.barrier_arrive(sh.done)
+  plgpu.barrier_wait(sh.done)
+
+
+def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale):
+  """:func:`backward` (``transposed``, per head) forming W and
+  dDelta_local itself, in three warpgroups.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]``, t: ``[B, HV, T, C]`` (:func:`ut.inverse`),
+      d_o: ``[B, T, HV, V]``, one 16-bit dtype; K in {64, 128}, V a
+      multiple of 64, T a multiple of 64.
+    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
+    scale: Python float multiplying q.
+
+  Returns:
+    :func:`backward`'s ``(d_delta, d_next, d_initial)``.
+  """
+  bsz, t_len, h, dk = k.shape
+  heads, dv = d_o.shape[2:]
+  dtype = k.dtype
+  out_type = [jax.ShapeDtypeStruct(d_o.shape, dtype),
+              jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
+              jax.ShapeDtypeStruct((bsz, heads, dv, dk), jnp.float32)]
+  keys = compat.smem((SLOTS, C, dk), dtype)
+  square = compat.smem((SLOTS, C, C), dtype)
+  vec = plgpu.SMEM((SLOTS, C), jnp.float32)
+  slots = plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS)
+  scratch = [keys, keys, square, vec, vec,
+             compat.smem((SLOTS, C, BV), dtype), keys, square,
+             compat.smem((C, dk), dtype), compat.smem((dk, BV), dtype),
+             compat.smem((C, BV), dtype),
+             compat.smem((BV, dk), jnp.float32),
+             plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS), slots,
+             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
+             plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
+  body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
+                                         scale=scale)
+  d_delta, d_next, d_initial = mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+      num_threads=3, thread_name="wg",
+      kernel_name="deltajax_mosaic_reverse_specialized",
+  )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3))
+  return d_delta, d_next, jnp.swapaxes(d_initial, 2, 3)
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
