@@ -126,7 +126,7 @@ MOSAIC_VARIANTS = {
        for name in mosaic.BACKWARD},
     "mosaic:wide": dict(narrow_dk=False),
     "mosaic:one": dict(schedule="one"),
-    "mosaic:fused": dict(fused_reverse=True),
+    "mosaic:unfused": dict(fused_reverse=False),
 }
 
 

@@ -341,6 +341,15 @@ def test_scan_schedules_give_the_same_results():
     _mosaic_vjp(args, cts, schedule="two")
 
 
+def test_fused_reverse_by_default_only_compiled():
+  """``fused_reverse`` is on by default where the kernels are compiled
+  (None: where its kernels are), off in the interpreter, which can stall
+  with several three-warpgroup CTAs on two cores."""
+  assert ops._default_fused_reverse() is False
+  assert ops._option("fused_reverse", None, mosaic.BACKWARD,
+                     mosaic.BACKWARD)
+
+
 def test_fused_reverse_agrees_with_the_unfused_one():
   """The three-warpgroup reverse pass that forms W and dDelta_local itself
   (``fused_reverse``) gives the unfused backward's gradients to float32

@@ -142,7 +142,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", backward=None,
-                       narrow_dk=None, fused_reverse=False):
+                       narrow_dk=None, fused_reverse=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -188,8 +188,12 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     fused_reverse: the reverse pass in three warpgroups that forms W and
       dDelta_local itself (:func:`reverse.specialized`): :func:`ut.w_u`
       does not run and the output's backward writes no dDelta_local. True
-      needs all of :data:`BACKWARD` and schedule "specialized". Off by
-      default until timed on the H200 against the unfused pass.
+      needs all of :data:`BACKWARD` and schedule "specialized"; None (the
+      default) means True where they are, compiled on a GPU (forward+
+      backward on the H200, RESULTS run S: 1.054 against 1.112 ms at (4,
+      4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
+      temporaries 483 against 613 MiB), not in the interpreter, which can
+      stall with several three-warpgroup CTAs on two cores.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -231,6 +235,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if fused_reverse and schedule != "specialized":
     raise ValueError(f"fused_reverse needs schedule 'specialized'; got "
                      f"{schedule!r}")
+  if fused_reverse is None:
+    fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, BACKWARD,
                           backward) and schedule == "specialized"
   o, final = _mosaic(float(scale), (schedule, inverse),
@@ -262,6 +268,13 @@ def _default_backward(per_channel, key_dim):
   if not per_channel:
     return BACKWARD
   return ("reverse", "ut") if key_dim <= 64 else ("reverse",)
+
+
+def _default_fused_reverse():
+  """``fused_reverse`` when none is asked for: None (on where its kernels
+  are) compiled on a GPU, False in the interpreter, which can stall with
+  several three-warpgroup CTAs on two cores."""
+  return False if _mosaic_gpu().interpret else None
 
 
 def _option(name, value, needs, backward):
