@@ -26,8 +26,9 @@ Two schedules of the same steps (:data:`SCHEDULES`):
   two slots, WG0 carries ``S^T [BV, K]`` so that the products on the
   sequential path (``S^T K^T``, ``Y^T T^T``, ``E^T K``) take their left
   operands from registers, and publishes S's bf16 copy and Delta in shared
-  memory while the update runs, WG1 forms the scores and the output from
-  them, one chunk behind WG0 at most. (One warpgroup carrying ``S^T`` alone
+  memory while the update runs (two copies, alternating by chunk), WG1
+  forms the scores and the output from them, two chunks behind WG0 at
+  most. (One warpgroup carrying ``S^T`` alone
   was no faster than ``"one"`` on the H200, RESULTS run N.)
 
 A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
@@ -74,7 +75,9 @@ SCHEDULES = ("one", "specialized")
 class _Shared(NamedTuple):
   """Shared memory: per-slot input tiles, then the per-chunk tiles. A
   per-channel scan has none of :data:`_SCALAR_ONLY` (its output tile is
-  ``y``) and a scalar-gate one none of :data:`_CHANNEL_ONLY`."""
+  ``y``), a scalar-gate one none of :data:`_CHANNEL_ONLY`, the specialized
+  schedule none of :data:`_ONE_ONLY` and two of each :data:`_PUBLISHED`
+  tile (a :class:`_Chunk` sees one of them)."""
   q: object       # [SLOTS, C, K] (per channel: Q e^g)
   k: object       # [SLOTS, C, K] (per channel: K e^g)
   kd: object      # [SLOTS, C, K] per channel: K e^{g_C - g}
@@ -101,17 +104,25 @@ class _Shared(NamedTuple):
 # its output leaves through y (read by T Y before the output is stored).
 _SCALAR_ONLY = ("g_rows", "g_cols", "e", "o")
 _CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded")
+# The specialized schedule forms Y and E in registers, and double-buffers
+# what WG0 publishes for WG1 (and WG1's output tile), so that WG0 waits for
+# WG1 to be done with chunk n - 2, not n - 1.
+_ONE_ONLY = ("y", "e")
+_PUBLISHED = ("s", "d_hi", "d_lo", "o")
 
 
-def _fields(per_channel):
-  """The :class:`_Shared` fields that a scan of this gate allocates."""
+def _fields(per_channel, schedule):
+  """The :class:`_Shared` fields that a scan of this gate and schedule
+  allocates."""
   absent = _SCALAR_ONLY if per_channel else _CHANNEL_ONLY
+  if schedule != "one":
+    absent += _ONE_ONLY
   return tuple(f for f in _Shared._fields if f not in absent)
 
 
-def _shared(refs, per_channel):
+def _shared(refs, per_channel, schedule):
   """``(_Shared, the remaining refs)`` from the kernel's scratch refs."""
-  present = _fields(per_channel)
+  present = _fields(per_channel, schedule)
   named = dict(zip(present, refs))
   sh = _Shared(**{f: named.get(f) for f in _Shared._fields})
   if per_channel:
@@ -125,6 +136,11 @@ class _Chunk(NamedTuple):
   sh: _Shared
   slot: object
   tokens: object
+
+  @property
+  def dtype(self):
+    """The 16-bit dtype of the operands."""
+    return self.sh.s.dtype
 
   @property
   def per_channel(self):
@@ -186,7 +202,7 @@ class _Chunk(NamedTuple):
     # As the Pallas per-channel output kernel: scale (Q e^g) S + P Delta,
     # P (scale included) from intra.forward in float32.
     plgpu.barrier_wait(self.sh.p_loaded)
-    p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.sh.y.dtype)
+    p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.dtype)
     return self.p_delta(p), (C, BV), scale * read
 
   def scores(self, qk, scale):
@@ -198,7 +214,7 @@ class _Chunk(NamedTuple):
     gamma = jnp.exp(jnp.where(
         rows >= cols, compat.rows(g_row, square)
         - lax.broadcast_in_dim(g_col, square, [1]), -jnp.inf))
-    return ut.halves(scale * gamma * qk, self.sh.y.dtype)
+    return ut.halves(scale * gamma * qk, self.dtype)
 
   def p_delta(self, p):
     """The pairs of ``P Delta`` in three bf16 passes from P's halves (the
@@ -212,7 +228,7 @@ class _Chunk(NamedTuple):
     sh = self.sh
     g_row, _ = self.gates()
     q = self.mg.load(sh.q.at[self.slot], WGMMA).astype(jnp.float32)
-    qg = (q * compat.rows(scale * jnp.exp(g_row), q.shape)).astype(sh.y.dtype)
+    qg = (q * compat.rows(scale * jnp.exp(g_row), q.shape)).astype(self.dtype)
     return [(qg, sh.s), *self.p_delta(p)], (C, BV), None
 
   def delta_transposed(self, ks_t):
@@ -226,7 +242,7 @@ class _Chunk(NamedTuple):
     v_t = mg.load(compat.T(sh.v.at[slot]), WGMMA).astype(jnp.float32)
     beta = mg.load(sh.beta.at[slot], COLS)
     y_t = (cols(beta) * (v_t - cols(jnp.exp(g_col)) * ks_t)).astype(
-        sh.y.dtype)
+        self.dtype)
     return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
 
   def publish_transposed(self, s_lo, d_hi, d_lo):
@@ -248,9 +264,10 @@ class _Chunk(NamedTuple):
     return ([(e_t.astype(sh.s.dtype), sh.k.at[slot])], s_t.shape,
             jnp.exp(g_end) * s_t)
 
-  def store_output(self, o, o_ref, at):
-    """``o`` to HBM through ``sh.o`` (after the previous tile left)."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  def store_output(self, o, o_ref, at, in_flight=0):
+    """``o`` to HBM through ``sh.o``, once at most ``in_flight`` of this
+    thread's earlier stores are still reading shared memory."""
+    plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
     self.sh.o[...] = o.astype(self.sh.o.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(self.sh.o, o_ref.at[at])
@@ -263,7 +280,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   o_ref, final_ref, *refs = refs
   states_ref, delta_ref = refs[:2] if save else (None, None)
   refs = refs[2:] if save else refs
-  sh, sync = _shared(refs, per_channel)
+  sh, sync = _shared(refs, per_channel, schedule)
   bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
   n_chunks = q_ref.shape[1] // C
@@ -308,8 +325,8 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   def save_chunk(n, x):
     if save:
-      plgpu.copy_smem_to_gmem(sh.s, states_ref.at[bi, h, n, :, cols])
-      plgpu.copy_smem_to_gmem(sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
+      plgpu.copy_smem_to_gmem(x.sh.s, states_ref.at[bi, h, n, :, cols])
+      plgpu.copy_smem_to_gmem(x.sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
 
   def begin(n):
     """Chunk n of the one-warpgroup schedule, once its tiles are in, the
@@ -356,6 +373,13 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   free, s_ready, s_free, done = sync
   wg = lax.axis_index("wg")
 
+  def published(n):
+    """Chunk n with its half of the published tiles, and that half."""
+    half = lax.rem(n, 2)
+    x = chunk(n)
+    views = {f: getattr(sh, f).at[half] for f in _PUBLISHED}
+    return x._replace(sh=sh._replace(**views)), half
+
   @pl.when(wg == 2)
   def _memory():
     mg.set_max_registers(40, action="decrease")
@@ -377,20 +401,20 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     mg.set_max_registers(232, action="increase")
 
     def step(n, s_t):
-      x = chunk(n)
+      x, half = published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
-      s_lo = s_t.astype(sh.s.dtype)
+      s_lo = s_t.astype(x.dtype)
       (ks_t,) = mg.products([([(s_lo, compat.T(sh.k.at[x.slot]))], (BV, C),
                               None)])
       delta_t = x.delta_transposed(ks_t)
 
       def publish():  # while the update runs
-        @pl.when(n > 0)
-        def _():  # WG1 is done with chunk n - 1's S and Delta
-          plgpu.barrier_wait(s_free)
+        @pl.when(n >= 2)
+        def _():  # WG1 is done with chunk n - 2's S and Delta
+          plgpu.barrier_wait(s_free.at[half])
 
-        x.publish_transposed(s_lo, *ut.halves(delta_t, sh.s.dtype))
-        plgpu.barrier_arrive(s_ready)
+        x.publish_transposed(s_lo, *ut.halves(delta_t, x.dtype))
+        plgpu.barrier_arrive(s_ready.at[half])
 
       (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
                            meanwhile=publish)
@@ -398,7 +422,8 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       return s_t
 
     s = lax.fori_loop(0, n_chunks, step, initial_state())
-    plgpu.barrier_wait(s_free)  # WG1's release of the last chunk
+    for n in range(max(n_chunks - 2, 0), n_chunks):  # WG1's last releases
+      plgpu.barrier_wait(s_free.at[n % 2])
     final_state(s)
 
   @pl.when(wg == 1)
@@ -407,18 +432,19 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
     @pl.loop(0, n_chunks)
     def _step(n):
-      x = chunk(n)
+      x, half = published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
       qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
       p = x.scores(qk, scale)
-      plgpu.barrier_wait(s_ready)
+      plgpu.barrier_wait(s_ready.at[half])
       (o,) = mg.products([x.output(p, scale)])
       save_chunk(n, x)
       if save:  # S and Delta stay until their copies have left
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(s_free)
+      plgpu.barrier_arrive(s_free.at[half])
       plgpu.barrier_arrive(free.at[x.slot])
-      x.store_output(o, o_ref, (bi, x.tokens, h, cols))
+      # The other half's tile (chunk n - 1's output) may still be leaving.
+      x.store_output(o, o_ref, (bi, x.tokens, h, cols), in_flight=1)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -472,23 +498,25 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
                  jax.ShapeDtypeStruct(v.shape, dtype)]
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
   tile = compat.smem((C, BV), dtype)
+  copies = (2,) if transposed else ()  # of each _PUBLISHED tile
+  published = compat.smem((*copies, C, BV), dtype)
   keys = compat.smem((SLOTS, C, dk), dtype)
   types = dict(
       q=keys, k=keys, kd=keys, v=compat.smem((SLOTS, C, BV), dtype),
       t=compat.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
       g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
-      s=compat.smem((dk, BV), dtype), y=tile, d_hi=tile, d_lo=tile, e=tile,
-      o=tile,
+      s=compat.smem((*copies, dk, BV), dtype), y=tile, d_hi=published,
+      d_lo=published, e=tile, o=published,
       f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
       p=compat.smem((C, C), jnp.float32),
       loaded=plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
       s0=plgpu.Barrier(num_arrivals=1), p_loaded=plgpu.Barrier(num_arrivals=1))
-  scratch = [types[f] for f in _fields(per_channel)]
+  scratch = [types[f] for f in _fields(per_channel, schedule)]
   threads = {}
   if schedule == "specialized":
-    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
-                plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
-                plgpu.Barrier(num_arrivals=3)]
+    halves = plgpu.Barrier(num_arrivals=1, num_barriers=2)
+    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS), halves,
+                halves, plgpu.Barrier(num_arrivals=3)]
     threads = dict(num_threads=3, thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              save=save, schedule=schedule,
