@@ -6,14 +6,14 @@ accumulator). Per chunk (GDN seed, section 3.3, the UT form, with ``g`` the
 chunk-local cumulative gate)::
 
   Delta = T diag(b) (V - (K e^g) S)              (= U - W S)
-  O     = ((scale e^g) Q) S + (scale Gamma * Q K^T) Delta
+  O     = scale e^g * (Q S) + (scale Gamma * Q K^T) Delta
   S    <- e^{g_C} S + K^T (e^{g_C - g} Delta)
 
 as wgmmas with 16-bit operands and float32 accumulation: ``K S`` (S's bf16
-copy staged in shared memory), ``T Y``, the state update, ``Q K^T`` and the
-output (``P Delta`` in three passes, about float32, as the Pallas output
-kernel: rounding both to bf16 cost 1e-2 of o's relative error at b near 2
-with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
+copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
+(its rows scaled after) and ``P Delta`` (in three passes, about float32, as
+the Pallas output kernel: rounding both to bf16 cost 1e-2 of o's relative
+error at b near 2 with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
 falls within the chunk; above the diagonal the difference is masked to
 ``-inf`` before ``exp``, seed section 4.1).
 
@@ -187,23 +187,40 @@ class _Chunk(NamedTuple):
             else (compat.T(sh.k.at[slot]), sh.e))
     return self.mg.products([([pair], s.shape, self.decay(s)), *also])
 
-  def queries(self):
-    """The queries' product among the chunk's first ones: ``Q K^T`` (for
-    the scores) for a scalar gate, ``(Q e^g) S`` per channel (S staged)."""
-    sh, slot = self.sh, self.slot
+  def query_state(self):
+    """The product ``Q S`` (per channel ``(Q e^g) S``; S staged)."""
+    return [(self.sh.q.at[self.slot], self.sh.s)], (C, BV), None
+
+  def scaled_query_state(self, qs, scale):
+    """The output's inter-chunk part from :meth:`query_state`'s result:
+    ``scale e^g * (Q S)`` (per channel ``scale (Q e^g) S``)."""
     if self.per_channel:
-      return [(sh.q.at[slot], sh.s)], (C, BV), None
-    return [(sh.q.at[slot], compat.T(sh.k.at[slot]))], (C, C), None
+      return scale * qs
+    g_row, _ = self.gates()
+    return compat.rows(scale * jnp.exp(g_row), qs.shape) * qs
+
+  def queries(self):
+    """The queries' products among the chunk's first ones (S staged):
+    ``Q K^T`` (for the scores) and ``Q S`` for a scalar gate, ``(Q e^g) S``
+    per channel."""
+    if self.per_channel:
+      return [self.query_state()]
+    sh, slot = self.sh, self.slot
+    return [([(sh.q.at[slot], compat.T(sh.k.at[slot]))], (C, C), None),
+            self.query_state()]
 
   def outputs(self, read, scale):
-    """The products of the output from :meth:`queries`' result."""
-    if not self.per_channel:
-      return self.output(self.scores(read, scale), scale)
-    # As the Pallas per-channel output kernel: scale (Q e^g) S + P Delta,
-    # P (scale included) from intra.forward in float32.
-    plgpu.barrier_wait(self.sh.p_loaded)
-    p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.dtype)
-    return self.p_delta(p), (C, BV), scale * read
+    """The product of the output from :meth:`queries`' results."""
+    if self.per_channel:
+      # As the Pallas per-channel output kernel: scale (Q e^g) S + P Delta,
+      # P (scale included) from intra.forward in float32.
+      (qs,) = read
+      plgpu.barrier_wait(self.sh.p_loaded)
+      p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.dtype)
+    else:
+      qk, qs = read
+      p = self.scores(qk, scale)
+    return self.p_delta(p), (C, BV), self.scaled_query_state(qs, scale)
 
   def scores(self, qk, scale):
     """``P = scale Gamma * Q K^T`` from ``qk``: its bf16 halves."""
@@ -223,13 +240,11 @@ class _Chunk(NamedTuple):
     return [(p_hi, sh.d_hi), (p_lo, sh.d_hi), (p_hi, sh.d_lo)]
 
   def output(self, p, scale):
-    """The products of ``O = ((scale e^g) Q) S + P Delta`` (``p``: P's
-    halves; Delta and S staged)."""
-    sh = self.sh
-    g_row, _ = self.gates()
-    q = self.mg.load(sh.q.at[self.slot], WGMMA).astype(jnp.float32)
-    qg = (q * compat.rows(scale * jnp.exp(g_row), q.shape)).astype(self.dtype)
-    return [(qg, sh.s), *self.p_delta(p)], (C, BV), None
+    """``O = scale e^g * (Q S) + P Delta`` (``p``: P's halves; Delta and S
+    staged), its two products issued together."""
+    qs, pd = self.mg.products([self.query_state(),
+                               (self.p_delta(p), (C, BV), None)])
+    return self.scaled_query_state(qs, scale) + pd
 
   def delta_transposed(self, ks_t):
     """``Delta^T = Y^T T^T`` from ``(K S)^T`` (float32 ``[BV, C]``), with
@@ -352,8 +367,8 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     def step(n, s):
       x = begin(n)
       publish_state(s)
-      ks, read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
-                              x.queries()])
+      ks, *read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
+                               *x.queries()])
       x.delta(ks)
       save_chunk(n, x)
       s, o = x.update(s, also=[x.outputs(read, scale)])
@@ -437,7 +452,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
       p = x.scores(qk, scale)
       plgpu.barrier_wait(s_ready.at[half])
-      (o,) = mg.products([x.output(p, scale)])
+      o = x.output(p, scale)
       save_chunk(n, x)
       if save:  # S and Delta stay until their copies have left
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
