@@ -13,9 +13,9 @@ as wgmmas with 16-bit operands and float32 accumulation: ``K S`` (S's bf16
 copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
 (its rows scaled after) and ``P Delta`` (in three passes, about float32, as
 the Pallas output kernel: rounding both to bf16 cost 1e-2 of o's relative
-error at b near 2 with aligned keys, tests/test_mosaic.py). Every exponent is ``<= 0`` (``g``
-falls within the chunk; above the diagonal the difference is masked to
-``-inf`` before ``exp``, seed section 4.1).
+error at b near 2 with aligned keys, tests/test_mosaic.py). Every exponent
+is ``<= 0`` (``g`` falls within the chunk; above the diagonal the difference
+is masked to ``-inf`` before ``exp``, seed section 4.1).
 
 Two schedules of the same steps (:data:`SCHEDULES`):
 
