@@ -28,8 +28,8 @@ Two schedules of the same steps (:data:`SCHEDULES`):
   operands from registers, and publishes S's bf16 copy and Delta in shared
   memory while the update runs (two copies, alternating by chunk), WG1
   forms the scores and the output from them, two chunks behind WG0 at
-  most. (One warpgroup carrying ``S^T`` alone
-  was no faster than ``"one"`` on the H200, RESULTS run N.)
+  most. (One warpgroup carrying ``S^T`` alone was no faster than ``"one"``
+  on the H200, RESULTS run N.)
 
 A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
 kernels' decayed operands and scores (``channel`` of :func:`forward`), as
