@@ -320,6 +320,23 @@ def reduce_gate(dg: jax.Array, gate_width: int) -> jax.Array:
   return dg
 
 
+def piece_entry_states(initial_state, m, e):
+  """The states entering consecutive pieces of a sequence, each of which
+  maps the state ``S`` entering it to ``M S + E`` as it leaves.
+
+  Args:
+    initial_state: ``[..., K, V]``, the state entering the first piece.
+    m, e: ``[P, ..., K, K]``, ``[P, ..., K, V]``: the pieces' maps in order.
+
+  Returns:
+    ``(the state leaving the last piece, entry states [P, ..., K, V])``.
+  """
+  def enter(state, map_):
+    m, e = map_
+    return mm(m, state) + e, state
+  return lax.scan(enter, initial_state, (m, e))
+
+
 def invert_unit_lower(a: jax.Array) -> jax.Array:
   """``(I + A)^-1`` for strictly lower triangular ``A`` ``[..., C, C]``.
 

@@ -190,13 +190,8 @@ def _in_pieces(q, k, v, a, b, w, initial_state, segment_ids, *, pieces,
       impl=impl, chunk_size=chunk_size)
   by_piece = lambda x: jnp.moveaxis(x.reshape(bsz, pieces, *x.shape[1:]), 1,
                                     0)
-
-  def enter(state, map_):
-    f, g = map_
-    return common.mm(f, state) + g, state
-
-  final_state, entry = lax.scan(enter, initial_state,
-                                (by_piece(f), by_piece(g)))
+  final_state, entry = common.piece_entry_states(initial_state, by_piece(f),
+                                                 by_piece(g))
   o = o_zero + common.einsum(
       "bthk,bhkv->bthv", p,
       jnp.moveaxis(entry, 0, 1).reshape(bsz * pieces, *entry.shape[2:]))

@@ -154,6 +154,21 @@ def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
 
 
 @_needs_hopper
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+@pytest.mark.parametrize("pieces", [2, 8])
+def test_mosaic_pieces_match_float64_reference(pieces, per_channel):
+  """The forward's scan cut into pieces walked side by side from entry
+  states composed of the pieces' maps (``pieces``), called directly: one
+  sequence of 4096 tokens, two heads."""
+  def cut(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a if per_channel else a[..., None], b, s0, None, None,
+        scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK, pieces=pieces)
+  args, cts = _inputs(4096, 128, seed=pieces, bsz=1, per_channel=per_channel)
+  _check(cut, args, cts, label=f"pieces={pieces} per_channel={per_channel}")
+
+
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv,gate_div", [(63, 100, None, 4.0),
                                              (1024, 128, 8, 64.0)])
 def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):

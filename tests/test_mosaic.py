@@ -522,9 +522,22 @@ def test_kernels_lower_for_the_gpu(schedule):
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
                  vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
+      # The scan in two pieces, and the map pass of the first.
+      (lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
+                               schedule=schedule, pieces=scan.Pieces(2, 1)),
+       (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec, vec,
+        shape(2, 2, 128, 128, dtype=jnp.float32))),
+      (lambda *x: scan.piece_maps(mg, *x, pieces=scan.Pieces(1, 1),
+                                  schedule=schedule),
+       (keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec, vec)),
       *((per_channel, (decayed(dk), decayed(dk), shape(1, 128, 2, 128),
                        shape(1, 2, 128, 64), f32(1, 2, 2, dk), vec,
                        f32(1, 2, dk, 128), decayed(dk), f32(1, 2, 128, 64)))
+        for dk in ((64, 128) if schedule == "one" else ())),
+      *((lambda *x: scan.piece_maps(mg, *x[:5], pieces=scan.Pieces(1, 1),
+                                    channel=x[5:]),
+         (decayed(dk), shape(1, 128, 2, 128), shape(1, 2, 128, 64),
+          f32(1, 2, 2, dk), vec, decayed(dk), f32(1, 2, 128, 64)))
         for dk in ((64, 128) if schedule == "one" else ())),
       *((lambda *x, narrow=narrow: output.output_backward(
           mg, *x, scale=0.1, narrow_dk=narrow),

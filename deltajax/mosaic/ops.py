@@ -142,7 +142,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", backward=None,
-                       narrow_dk=None, fused_reverse=None):
+                       narrow_dk=None, fused_reverse=None, pieces=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -194,6 +194,12 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
       temporaries 483 against 613 MiB), not in the interpreter, which can
       stall with several three-warpgroup CTAs on two cores.
+    pieces: the forward's scan cuts each sequence into this many equal runs
+      of chunks, walked side by side: a first pass maps each run's entry
+      state to its exit state (:func:`scan.piece_maps`), the maps are
+      composed in order, and the scan walks every run from its entry
+      state. It must divide the number of chunks. None (the default):
+      :func:`_default_pieces`.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -239,7 +245,14 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, BACKWARD,
                           backward) and schedule == "specialized"
-  o, final = _mosaic(float(scale), (schedule, inverse),
+  n_chunks = -(-q.shape[1] // CHUNK)
+  if pieces is None:
+    pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
+                             n_chunks)
+  if not isinstance(pieces, int) or pieces < 1 or n_chunks % pieces:
+    raise ValueError(f"pieces must be a positive int dividing the "
+                     f"{n_chunks} chunks; got {pieces!r}")
+  o, final = _mosaic(float(scale), (schedule, inverse, pieces),
                      (tuple(backward), narrow_dk, fused_reverse),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
@@ -255,6 +268,19 @@ def _default_schedule(per_channel):
   if per_channel or jax.config.jax_enable_x64:
     return "one"
   return "specialized"
+
+
+def _default_pieces(ctas, n_chunks):
+  """The scan's pieces per sequence when none are asked for, given its
+  ``ctas`` (B HV V / 64) and chunks: 1 unless the CTAs leave most
+  multiprocessors idle; then the largest power of two up to their ratio
+  that divides the chunks and leaves pieces of 16 chunks at least."""
+  sms = pallas_core.multiprocessors() or 0
+  pieces = 1
+  while (2 * pieces * ctas <= sms and n_chunks % (2 * pieces) == 0
+         and n_chunks // (2 * pieces) >= 16):
+    pieces *= 2
+  return pieces
 
 
 def _default_backward(per_channel, key_dim):
@@ -320,8 +346,26 @@ def _per_channel_inputs(scale, q, k, a, b):
   return qg, kg, g_end, beta, t, (kd, p)
 
 
+def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces,
+                  schedule, channel):
+  """The state entering each of ``pieces`` equal runs of chunks of every
+  sequence, ``[B pieces, HV, K, V]``: the initial state carried through
+  the maps of the runs before it."""
+  bsz = k.shape[0]
+  length = k.shape[1] // CHUNK // pieces
+  m, e = scan.piece_maps(mg, k, v, t, g, beta,
+                         pieces=scan.Pieces(pieces - 1, length),
+                         schedule=schedule, channel=channel)
+  by_piece = lambda x: jnp.moveaxis(
+      x.reshape(bsz, pieces - 1, *x.shape[1:]), 1, 0)
+  last, entries = common.piece_entry_states(initial_state, by_piece(m),
+                                            by_piece(e))
+  entries = jnp.concatenate([entries, last[None]])
+  return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:])
+
+
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
-  schedule, inverse = plan
+  schedule, inverse, pieces = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
@@ -333,9 +377,14 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
     g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                      q.shape[-1], mg.interpret)
     t, channel = _inverse(mg, inverse, k, g, beta, v.shape[2]), None
-  o, final, *saved = scan.forward(mg, q, k, vp, t, g, beta, s0, scale=scale,
-                                  save=save, schedule=schedule,
-                                  channel=channel)
+  if pieces > 1:
+    s0 = _entry_states(mg, k, vp, t, g, beta, s0, pieces=pieces,
+                       schedule=schedule, channel=channel)
+  o, final, *saved = scan.forward(
+      mg, q, k, vp, t, g, beta, s0, scale=scale, save=save,
+      schedule=schedule, channel=channel,
+      pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces))
+  final = final[pieces - 1::pieces]  # the last piece's
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
     return outputs, None
@@ -350,7 +399,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse) and ``backward`` (its Mosaic kernels, narrow_dk,
+  inverse, its pieces) and ``backward`` (its Mosaic kernels, narrow_dk,
   fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,

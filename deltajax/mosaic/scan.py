@@ -109,38 +109,66 @@ _CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded")
 # WG1 to be done with chunk n - 2, not n - 1.
 _ONE_ONLY = ("y", "e")
 _PUBLISHED = ("s", "d_hi", "d_lo", "o")
+# A map pass (:func:`piece_maps`) reads no queries and forms no output; in
+# the specialized schedule it publishes nothing either.
+_OUTPUT_ONLY = ("q", "o", "p", "p_loaded")
 
 
-def _fields(per_channel, schedule):
-  """The :class:`_Shared` fields that a scan of this gate and schedule
-  allocates."""
+class Pieces(NamedTuple):
+  """Which runs of chunks the grid's rows walk: ``count`` pieces of each
+  sequence, ``length`` chunks each, piece ``p`` from chunk ``p * length``
+  (the grid's row ``b * count + p``)."""
+  count: int
+  length: int
+
+
+def _roles(maps):
+  """The specialized schedule's warpgroups by index: the state's, the
+  output's (not in a map pass), the loads'."""
+  return ("state", "memory") if maps else ("state", "output", "memory")
+
+
+def _fields(per_channel, schedule, maps):
+  """The :class:`_Shared` fields that a scan of this gate and schedule (a
+  map pass with ``maps``) allocates."""
   absent = _SCALAR_ONLY if per_channel else _CHANNEL_ONLY
   if schedule != "one":
     absent += _ONE_ONLY
+  if maps:
+    absent += _OUTPUT_ONLY + (_PUBLISHED if schedule != "one" else ())
   return tuple(f for f in _Shared._fields if f not in absent)
 
 
-def _shared(refs, per_channel, schedule):
+def _shared(refs, per_channel, schedule, maps):
   """``(_Shared, the remaining refs)`` from the kernel's scratch refs."""
-  present = _fields(per_channel, schedule)
+  present = _fields(per_channel, schedule, maps)
   named = dict(zip(present, refs))
   sh = _Shared(**{f: named.get(f) for f in _Shared._fields})
-  if per_channel:
+  if per_channel and not maps:
     sh = sh._replace(o=sh.y)
   return sh, refs[len(present):]
 
 
 class _Chunk(NamedTuple):
-  """One chunk's view of the kernel: refs, indices and its slot."""
+  """One chunk's view of the kernel: refs, indices and its slot; ``values``
+  (a map pass's) multiplies v: 0 in the identity's columns, else 1."""
   mg: object
   sh: _Shared
   slot: object
   tokens: object
+  values: object = None
 
   @property
   def dtype(self):
     """The 16-bit dtype of the operands."""
-    return self.sh.s.dtype
+    return self.sh.k.dtype
+
+  def values_tile(self, layout):
+    """This chunk's v tile in ``layout`` (a :class:`compat.T` ref for
+    V^T), float32."""
+    v = self.mg.load(layout(self.sh.v.at[self.slot]), WGMMA).astype(
+        jnp.float32)
+    return v if self.values is None else self.values * v
 
   @property
   def per_channel(self):
@@ -158,7 +186,7 @@ class _Chunk(NamedTuple):
     mg, sh, slot = self.mg, self.sh, self.slot
     g_row, g_end = (None, None) if self.per_channel else self.gates()
     tile = (C, BV)
-    v = mg.load(sh.v.at[slot], WGMMA).astype(jnp.float32)
+    v = self.values_tile(lambda ref: ref)
     beta = mg.load(sh.beta.at[slot], ROWS)
     if g_row is not None:
       ks = compat.rows(jnp.exp(g_row), tile) * ks
@@ -254,7 +282,7 @@ class _Chunk(NamedTuple):
     tile = (BV, C)
     cols = lambda x: lax.broadcast_in_dim(x, tile, [1])
     g_col = mg.load(sh.g_cols.at[slot], COLS)
-    v_t = mg.load(compat.T(sh.v.at[slot]), WGMMA).astype(jnp.float32)
+    v_t = self.values_tile(compat.T)
     beta = mg.load(sh.beta.at[slot], COLS)
     y_t = (cols(beta) * (v_t - cols(jnp.exp(g_col)) * ks_t)).astype(
         self.dtype)
@@ -276,7 +304,7 @@ class _Chunk(NamedTuple):
     g_col, g_end = mg.load(sh.g_cols.at[slot], COLS), self.gates()[1]
     e_t = delta_t * lax.broadcast_in_dim(jnp.exp(g_end - g_col),
                                          delta_t.shape, [1])
-    return ([(e_t.astype(sh.s.dtype), sh.k.at[slot])], s_t.shape,
+    return ([(e_t.astype(self.dtype), sh.k.at[slot])], s_t.shape,
             jnp.exp(g_end) * s_t)
 
   def store_output(self, o, o_ref, at, in_flight=0):
@@ -289,23 +317,30 @@ class _Chunk(NamedTuple):
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, schedule, per_channel):
+          scale, save, schedule, per_channel, pieces, maps):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
   refs = refs[2:] if per_channel else refs
-  o_ref, final_ref, *refs = refs
+  o_ref, final_ref, *refs = (None, *refs) if maps else refs
   states_ref, delta_ref = refs[:2] if save else (None, None)
   refs = refs[2:] if save else refs
-  sh, sync = _shared(refs, per_channel, schedule)
-  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-  hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
-  n_chunks = q_ref.shape[1] // C
+  sh, sync = _shared(refs, per_channel, schedule, maps)
+  row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  bi, first = lax.div(row, pieces.count), lax.rem(row, pieces.count)
+  first, n_chunks = first * pieces.length, pieces.length
+  hk, state_cols = lax.div(h, groups), pl.ds(vb * BV, BV)
+  cols, values = state_cols, None
+  if maps:  # the state's first K columns are the identity's, with v = 0
+    identity = k_ref.shape[-1] // BV
+    cols = pl.ds(jnp.maximum(vb - identity, 0) * BV, BV)
+    values = jnp.minimum(lax.div(vb, identity), 1).astype(jnp.float32)
 
   def issue(n, slot):
+    n = first + n
     tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
-    copies = [(q_ref.at[bi, tokens, hk], sh.q),
-              (k_ref.at[bi, tokens, hk], sh.k),
-              (v_ref.at[bi, tokens, h, cols], sh.v),
-              (t_ref.at[bi, h, tokens], sh.t)]
+    copies = [] if maps else [(q_ref.at[bi, tokens, hk], sh.q)]
+    copies += [(k_ref.at[bi, tokens, hk], sh.k),
+               (v_ref.at[bi, tokens, h, cols], sh.v),
+               (t_ref.at[bi, h, tokens], sh.t)]
     if per_channel:
       copies += [(kd_ref.at[bi, tokens, h], sh.kd),
                  (g_ref.at[bi, h, n], sh.g_end)]
@@ -317,16 +352,17 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   def issue_scores(n):
     """Chunk n's P (per channel) into its one slot."""
-    plgpu.copy_gmem_to_smem(p_ref.at[bi, h, pl.ds(n * C, C)], sh.p,
-                            sh.p_loaded)
+    plgpu.copy_gmem_to_smem(p_ref.at[bi, h, pl.ds((first + n) * C, C)],
+                            sh.p, sh.p_loaded)
 
   def chunk(n):
-    return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds(n * C, C))
+    return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds((first + n) * C, C),
+                  values)
 
   transposed = schedule != "one"  # carrying S^T
-  # This CTA's columns of the state (rows of the transposed one).
-  state_at = lambda ref: ref.at[bi, h, cols] if transposed else ref.at[
-      bi, h, :, cols]
+  # This CTA's columns of its row's state (rows of the transposed one).
+  state_at = lambda ref: ref.at[row, h, state_cols] if transposed else (
+      ref.at[row, h, :, state_cols])
 
   def initial_state():
     plgpu.copy_gmem_to_smem(state_at(s0_ref), sh.f, sh.s0)
@@ -340,7 +376,8 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   def save_chunk(n, x):
     if save:
-      plgpu.copy_smem_to_gmem(x.sh.s, states_ref.at[bi, h, n, :, cols])
+      plgpu.copy_smem_to_gmem(x.sh.s,
+                              states_ref.at[bi, h, first + n, :, cols])
       plgpu.copy_smem_to_gmem(x.sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
 
   def begin(n):
@@ -368,9 +405,11 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       x = begin(n)
       publish_state(s)
       ks, *read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
-                               *x.queries()])
+                               *([] if maps else x.queries())])
       x.delta(ks)
       save_chunk(n, x)
+      if maps:
+        return x.update(s)[0]
       s, o = x.update(s, also=[x.outputs(read, scale)])
       x.store_output(o, o_ref, (bi, x.tokens, h, cols))
       if per_channel:
@@ -380,12 +419,13 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       return s
 
     issue(0, 0)
-    if per_channel:
+    if per_channel and not maps:
       issue_scores(0)
     final_state(lax.fori_loop(0, n_chunks, step, initial_state()))
     return
 
-  free, s_ready, s_free, done = sync
+  free, done = sync[0], sync[-1]
+  s_ready, s_free = sync[1:3] if not maps else (None, None)
   wg = lax.axis_index("wg")
 
   def published(n):
@@ -395,7 +435,9 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     views = {f: getattr(sh, f).at[half] for f in _PUBLISHED}
     return x._replace(sh=sh._replace(**views)), half
 
-  @pl.when(wg == 2)
+  roles = _roles(maps)
+
+  @pl.when(wg == roles.index("memory"))
   def _memory():
     mg.set_max_registers(40, action="decrease")
     for n in range(min(SLOTS, n_chunks)):
@@ -411,17 +453,21 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     def _drain(n):  # observe the last chunks' releases too
       plgpu.barrier_wait(free.at[lax.rem(n, SLOTS)])
 
-  @pl.when(wg == 0)
+  @pl.when(wg == roles.index("state"))
   def _state():
     mg.set_max_registers(232, action="increase")
 
     def step(n, s_t):
-      x, half = published(n)
+      x, half = (chunk(n), None) if maps else published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
       s_lo = s_t.astype(x.dtype)
       (ks_t,) = mg.products([([(s_lo, compat.T(sh.k.at[x.slot]))], (BV, C),
                               None)])
       delta_t = x.delta_transposed(ks_t)
+      if maps:
+        (s_t,) = mg.products([x.update_transposed(s_t, delta_t)])
+        plgpu.barrier_arrive(free.at[x.slot])
+        return s_t
 
       def publish():  # while the update runs
         @pl.when(n >= 2)
@@ -437,31 +483,33 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       return s_t
 
     s = lax.fori_loop(0, n_chunks, step, initial_state())
-    for n in range(max(n_chunks - 2, 0), n_chunks):  # WG1's last releases
-      plgpu.barrier_wait(s_free.at[n % 2])
+    if not maps:
+      for n in range(max(n_chunks - 2, 0), n_chunks):  # WG1's last releases
+        plgpu.barrier_wait(s_free.at[n % 2])
     final_state(s)
 
-  @pl.when(wg == 1)
-  def _output():
-    mg.set_max_registers(232, action="increase")
+  if not maps:
+    @pl.when(wg == roles.index("output"))
+    def _output():
+      mg.set_max_registers(232, action="increase")
 
-    @pl.loop(0, n_chunks)
-    def _step(n):
-      x, half = published(n)
-      plgpu.barrier_wait(sh.loaded.at[x.slot])
-      qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
-      p = x.scores(qk, scale)
-      plgpu.barrier_wait(s_ready.at[half])
-      o = x.output(p, scale)
-      save_chunk(n, x)
-      if save:  # S and Delta stay until their copies have left
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(s_free.at[half])
-      plgpu.barrier_arrive(free.at[x.slot])
-      # The other half's tile (chunk n - 1's output) may still be leaving.
-      x.store_output(o, o_ref, (bi, x.tokens, h, cols), in_flight=1)
+      @pl.loop(0, n_chunks)
+      def _step(n):
+        x, half = published(n)
+        plgpu.barrier_wait(sh.loaded.at[x.slot])
+        qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
+        p = x.scores(qk, scale)
+        plgpu.barrier_wait(s_ready.at[half])
+        o = x.output(p, scale)
+        save_chunk(n, x)
+        if save:  # S and Delta stay until their copies have left
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(s_free.at[half])
+        plgpu.barrier_arrive(free.at[x.slot])
+        # The other half's tile (chunk n - 1's output) may still be leaving.
+        x.store_output(o, o_ref, (bi, x.tokens, h, cols), in_flight=1)
 
-    plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (jla saw illegal instructions on sm_90
   # when one exited while another still issued wgmmas).
@@ -470,7 +518,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            schedule="one", channel=None):
+            schedule="one", channel=None, pieces=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -479,7 +527,8 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       {64, 128}, V a multiple of 64, T a multiple of 64.
     t: ``[B, HV, T, C]`` from :func:`ut.inverse`.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
-    initial_state: ``[B, HV, K, V]`` float32.
+    initial_state: ``[B P, HV, K, V]`` float32, the state entering each of
+      the ``P = pieces.count`` pieces of each sequence.
     scale: Python float multiplying q.
     save: also return the chunk-entry states and Delta.
     schedule: one of :data:`SCHEDULES`.
@@ -488,12 +537,52 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       Q K^T [B, HV, T, C]`` float32 (:func:`deltajax.pallas.intra.forward`);
       q and k are then ``Q e^g`` and ``K e^g`` (``[B, T, HV, K]``) and g
       the gate at each chunk's end, ``[B, HV, T / C, K]`` float32.
+    pieces: :class:`Pieces` that cover the sequence, walked side by side
+      from the given entry states; None: the whole sequence, one piece.
 
   Returns:
-    ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32)``,
-    then with ``save`` ``states [B, HV, T / C, K, V]`` and ``delta [B, T,
-    HV, V]`` in v's dtype.
+    ``(o [B, T, HV, V] in v's dtype, the state leaving each piece [B P, HV,
+    K, V] float32)``, then with ``save`` ``states [B, HV, T / C, K, V]``
+    and ``delta [B, T, HV, V]`` in v's dtype.
   """
+  if pieces is None:
+    pieces = Pieces(1, k.shape[1] // C)
+  if pieces.count * pieces.length * C != k.shape[1]:
+    raise ValueError(f"{pieces} do not cover T = {k.shape[1]}")
+  return _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
+                 save=save, schedule=schedule, channel=channel,
+                 pieces=pieces, maps=False)
+
+
+def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
+  """Each piece's affine map from its entry state to its exit state, ``S ->
+  M S + E``: the scan from ``[I | 0]`` on ``[0 | v]`` (its columns are
+  independent), with no output.
+
+  Args:
+    mg, k, v, t, g, b, schedule: as for :func:`forward`.
+    pieces: :class:`Pieces`, the runs of chunks to map (from the first).
+    channel: per channel, ``(kd, p)`` as for :func:`forward` (P is not
+      read); ``k`` is then ``K e^g``.
+
+  Returns:
+    ``(M [B P, HV, K, K], E [B P, HV, K, V])`` float32.
+  """
+  bsz, _, _, dk = k.shape
+  heads, dv = v.shape[2:]
+  start = jnp.concatenate([jnp.eye(dk), jnp.zeros((dk, dv))], axis=1)
+  start = jnp.broadcast_to(start, (bsz * pieces.count, heads, dk, dk + dv))
+  (maps,) = _launch(mg, k, k, v, t, g, b, start, scale=1.0, save=False,
+                    schedule=schedule, channel=channel, pieces=pieces,
+                    maps=True)
+  return maps[..., :dk], maps[..., dk:]
+
+
+def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
+            channel, pieces, maps):
+  """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
+  initial state's columns past v's the identity's) the final states
+  alone."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
   per_channel = channel is not None
@@ -506,8 +595,9 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
   transposed = schedule != "one"
   if transposed:  # the kernel carries S^T: [B, HV, V, K] in and out
     initial_state = jnp.swapaxes(initial_state, 2, 3)
-  out_type = [jax.ShapeDtypeStruct(v.shape, dtype),
-              jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
+  out_type = [jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
+  if not maps:
+    out_type.insert(0, jax.ShapeDtypeStruct(v.shape, dtype))
   if save:
     out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
                  jax.ShapeDtypeStruct(v.shape, dtype)]
@@ -524,21 +614,30 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       d_lo=published, e=tile, o=published,
       f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
       p=compat.smem((C, C), jnp.float32),
-      loaded=plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
+      loaded=plgpu.Barrier(num_arrivals=_INPUTS - maps, num_barriers=SLOTS),
       s0=plgpu.Barrier(num_arrivals=1), p_loaded=plgpu.Barrier(num_arrivals=1))
-  scratch = [types[f] for f in _fields(per_channel, schedule)]
+  scratch = [types[f] for f in _fields(per_channel, schedule, maps)]
   threads = {}
   if schedule == "specialized":
-    halves = plgpu.Barrier(num_arrivals=1, num_barriers=2)
-    scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS), halves,
-                halves, plgpu.Barrier(num_arrivals=3)]
-    threads = dict(num_threads=3, thread_name="wg")
+    roles = _roles(maps)
+    halves = [] if maps else [plgpu.Barrier(num_arrivals=1, num_barriers=2)]
+    scratch += [plgpu.Barrier(num_arrivals=len(roles) - 1,
+                              num_barriers=SLOTS), *halves, *halves,
+                plgpu.Barrier(num_arrivals=len(roles))]
+    threads = dict(num_threads=len(roles), thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              save=save, schedule=schedule,
-                             per_channel=per_channel)
-  o, final, *saved = mg.kernel(
+                             per_channel=per_channel, pieces=pieces,
+                             maps=maps)
+  rows = bsz * pieces.count
+  outs = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
-      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
-      kernel_name="deltajax_mosaic_scan", **threads,
+      grid=(rows, heads, initial_state.shape[-1 - transposed] // BV),
+      grid_names=("b", "h", "v"),
+      kernel_name="deltajax_mosaic_" + ("maps" if maps else "scan"),
+      **threads,
   )(q, k, v, t, g, b, initial_state, *(channel or ()))
-  return o, jnp.swapaxes(final, 2, 3) if transposed else final, *saved
+  final = outs[0 if maps else 1]
+  if transposed:
+    final = jnp.swapaxes(final, 2, 3)
+  return (final,) if maps else (outs[0], final, *outs[2:])
