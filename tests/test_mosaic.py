@@ -110,6 +110,54 @@ def test_mosaic_strong_gates_stay_finite():
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+def test_mosaic_pieces_match_float64(per_channel, monkeypatch):
+  """The forward's scan cut into four pieces (``"auto"``'s choice where the
+  scan's CTAs leave most multiprocessors idle, forced here): the map pass
+  of the first three, their composition, the scan from each piece's entry
+  state, and the backward on the states it saves. T = 250 (four chunks,
+  the last padded), grouped value heads, K != V."""
+  monkeypatch.setattr(ops, "_default_pieces", lambda ctas, n_chunks: 4)
+  x = utils.random_inputs(31, batch=1, length=250, heads=1, value_heads=2,
+                          key_dim=64, value_dim=128, per_channel=per_channel,
+                          gate_scale=0.25, state_scale=0.1)
+  if per_channel:
+    x = x._replace(a=x.a * np.geomspace(1e-3, 0.3, 64))
+  _check(x)
+
+
+def test_pieces_in_the_specialized_scan():
+  """The three-warpgroup scan in three pieces (its map pass in two
+  warpgroups) gives the outputs and gradients of one piece, up to the
+  rounding of the entry states to bf16 in the products: K = 128, V = 64,
+  so that the map pass's identity takes two of its three value blocks."""
+  args, cts = _contract_inputs(17, length=192, value_heads=1, key_dim=128,
+                               value_dim=64)
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, schedule="specialized",
+                                        pieces=n)) for n in (3, 1)]
+  for i, (got, want) in enumerate(zip(*leaves)):
+    got, want = (np.asarray(x, np.float64) for x in (got, want))
+    assert utils.relative_rms_error(got, want) < 5e-3, i
+  for pieces in (2, 0, 1.0):
+    with pytest.raises(ValueError, match="pieces must be a positive int "
+                       "dividing the 3 chunks"):
+      _mosaic_vjp(args, cts, pieces=pieces)
+
+
+def test_default_pieces(monkeypatch):
+  """One piece unless the scan's CTAs fill at most half of the
+  multiprocessors; then the largest power of two that fits, divides the
+  chunks and leaves 16 chunks a piece at least (off the GPU, one)."""
+  assert ops._default_pieces(32, 1024) == 1  # no GPU here
+  monkeypatch.setattr(ops.pallas_core, "multiprocessors", lambda: 132)
+  assert ops._default_pieces(32, 1024) == 4  # (1, 65536, 16, 128)
+  assert ops._default_pieces(64, 256) == 2  # (2, 16384, 16, 128)
+  assert ops._default_pieces(192, 128) == 1  # (1, 8192, 96, 128)
+  assert ops._default_pieces(8, 64) == 4  # 16 chunks a piece
+  assert ops._default_pieces(8, 96) == 4  # 4 x 24 chunks, not 8 x 12
+  assert ops._default_pieces(8, 95) == 1
+
+
 # (B, T, H, HV, K, V) of KDA (a per-channel gate): grouped value heads; K = 128
 # with V = 64 over three chunks; T not a multiple of the chunk with head dims
 # padded (100 -> 128, 48 -> 64).
@@ -506,7 +554,9 @@ def test_kernels_lower_for_the_gpu(schedule):
   schedule takes it), the last of them under vmap too. Lowering also checks
   that each kernel's shared memory fits in 227 KB (the per-channel scan at
   K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
-  ut_backward 111 KB)."""
+  ut_backward 111 KB). Under ``jax_enable_x64``, as the other tests run
+  them: an array the wrappers create (the map pass's identity, say) must
+  not come out float64."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
@@ -577,7 +627,8 @@ def test_kernels_lower_for_the_gpu(schedule):
        (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
         shape(1, 128, 2, 128, dtype=jnp.float32),
         shape(1, 2, 128, 128, dtype=jnp.float32)))]:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with jax.enable_x64(True):
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   # Under vmap (impl="auto" takes these kernels on Hopper): a grid axis more.
   batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in args]
   jax.jit(jax.vmap(fn)).trace(*batched).lower(lowering_platforms=("cuda",))

@@ -570,7 +570,8 @@ def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
   """
   bsz, _, _, dk = k.shape
   heads, dv = v.shape[2:]
-  start = jnp.concatenate([jnp.eye(dk), jnp.zeros((dk, dv))], axis=1)
+  start = jnp.concatenate([jnp.eye(dk, dtype=jnp.float32),
+                           jnp.zeros((dk, dv), jnp.float32)], axis=1)
   start = jnp.broadcast_to(start, (bsz * pieces.count, heads, dk, dk + dv))
   (maps,) = _launch(mg, k, k, v, t, g, b, start, scale=1.0, save=False,
                     schedule=schedule, channel=channel, pieces=pieces,
