@@ -621,6 +621,20 @@ def test_kernels_lower_for_the_gpu(schedule):
          (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
           shape(1, 2, 128, 128, dtype=jnp.float32)))
         for _ in ((0,) if schedule != "one" else ())),
+      # The reverse passes in two pieces, and the second's local pass.
+      *((lambda *x, local=local: reverse.specialized(
+          mg, *x, scale=0.1, local=local,
+          pieces=scan.Pieces(1, 1, start=1) if local else scan.Pieces(2, 1)),
+         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
+          shape(2 - local, 2, 128, 128, dtype=jnp.float32)))
+        for local in ((False, True) if schedule != "one" else ())),
+      *((lambda *x, local=local: reverse.backward(
+          mg, *x, scale=0.1, transposed=schedule != "one", local=local,
+          pieces=scan.Pieces(1, 1, start=1) if local else scan.Pieces(2, 1)),
+         (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
+          shape(1, 128, 2, 128, dtype=jnp.float32),
+          shape(2 - local, 2, 128, 128, dtype=jnp.float32)))
+        for local in (False, True)),
       # The reverse pass carrying dS^T with the transposed scans.
       (lambda *x: reverse.backward(mg, *x, scale=0.1,
                                    transposed=schedule != "one"),

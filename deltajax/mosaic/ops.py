@@ -93,19 +93,46 @@ def _w_u(mg, k, v, g, b, t, *, values, deferred):
 
 
 def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
-             **options):
+             maps=None, **options):
   """:func:`reverse.backward` on the Pallas pass's arguments: per channel
   (``decayed``: ``(Q e^g, K e^{g_C - g})``; g at each chunk's end), those
   in place of q and k; :func:`reverse.specialized` where W is left to it
-  (it forms dDelta_local too)."""
+  (it forms dDelta_local too). With ``maps`` (of the forward's pieces but
+  the first, ``[P - 1, B, HV, K, K]``), in those pieces
+  (:func:`_reverse_in_pieces`)."""
   if isinstance(w, _WFromT):
-    return reverse.specialized(mg, q, k, w.t, g, w.beta, d_o, d_final,
-                               scale=scale)
-  if decayed is not None:
-    q, k = decayed
-  return reverse.backward(mg, q, k, w, g, d_o, d_delta_local, d_final,
-                          scale=scale, per_channel=decayed is not None,
-                          **options)
+    run = functools.partial(reverse.specialized, mg, q, k, w.t, g, w.beta,
+                            d_o, scale=scale)
+  else:
+    if decayed is not None:
+      q, k = decayed
+    run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
+                            d_delta_local, scale=scale,
+                            per_channel=decayed is not None, **options)
+  if maps is None:
+    return run(d_final)
+  return _reverse_in_pieces(run, d_final, maps, q.shape[1] // CHUNK)
+
+
+def _reverse_in_pieces(run, d_final, maps, n_chunks):
+  """The reverse pass ``run`` in the forward's pieces, side by side: a
+  local pass gives each piece but the first its own share of its entry
+  state's cotangent ``D``; carried back from the last piece, the cotangent
+  leaving piece ``p - 1`` is ``M_p^T (that leaving p) + D_p``; then each
+  piece runs from the cotangent leaving it."""
+  count, bsz = maps.shape[0] + 1, d_final.shape[0]
+  length = n_chunks // count
+  local = run(jnp.zeros((bsz * (count - 1), *d_final.shape[1:])),
+              pieces=scan.Pieces(count - 1, length, start=1), local=True)
+  by_piece = lambda x: jnp.moveaxis(
+      x.reshape(bsz, count - 1, *x.shape[1:]), 1, 0)
+  first, later = common.piece_entry_states(
+      d_final, jnp.swapaxes(maps, -1, -2)[::-1], by_piece(local)[::-1])
+  exits = jnp.concatenate([first[None], later[::-1]])
+  d_delta, d_next, d_initial = run(
+      jnp.moveaxis(exits, 0, 1).reshape(-1, *d_final.shape[1:]),
+      pieces=scan.Pieces(count, length))
+  return d_delta, d_next, d_initial[::count]
 
 
 def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
@@ -346,22 +373,23 @@ def _per_channel_inputs(scale, q, k, a, b):
   return qg, kg, g_end, beta, t, (kd, p)
 
 
-def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces,
+def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
                   schedule, channel):
   """The state entering each of ``pieces`` equal runs of chunks of every
   sequence, ``[B pieces, HV, K, V]``: the initial state carried through
-  the maps of the runs before it."""
+  the maps of the runs before it; and the maps ``M`` of the first
+  ``mapped`` runs (``pieces - 1``, or all for the backward), ``[mapped, B,
+  HV, K, K]``."""
   bsz = k.shape[0]
   length = k.shape[1] // CHUNK // pieces
-  m, e = scan.piece_maps(mg, k, v, t, g, beta,
-                         pieces=scan.Pieces(pieces - 1, length),
-                         schedule=schedule, channel=channel)
-  by_piece = lambda x: jnp.moveaxis(
-      x.reshape(bsz, pieces - 1, *x.shape[1:]), 1, 0)
-  last, entries = common.piece_entry_states(initial_state, by_piece(m),
-                                            by_piece(e))
+  m, e = (jnp.moveaxis(x.reshape(bsz, mapped, *x.shape[1:]), 1, 0)
+          for x in scan.piece_maps(mg, k, v, t, g, beta,
+                                   pieces=scan.Pieces(mapped, length),
+                                   schedule=schedule, channel=channel))
+  last, entries = common.piece_entry_states(
+      initial_state, m[:pieces - 1], e[:pieces - 1])
   entries = jnp.concatenate([entries, last[None]])
-  return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:])
+  return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:]), m
 
 
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
@@ -377,9 +405,11 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
     g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                      q.shape[-1], mg.interpret)
     t, channel = _inverse(mg, inverse, k, g, beta, v.shape[2]), None
+  maps = None
   if pieces > 1:
-    s0 = _entry_states(mg, k, vp, t, g, beta, s0, pieces=pieces,
-                       schedule=schedule, channel=channel)
+    s0, maps = _entry_states(mg, k, vp, t, g, beta, s0, pieces=pieces,
+                             mapped=pieces if save else pieces - 1,
+                             schedule=schedule, channel=channel)
   o, final, *saved = scan.forward(
       mg, q, k, vp, t, g, beta, s0, scale=scale, save=save,
       schedule=schedule, channel=channel,
@@ -391,8 +421,10 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   # The Pallas backward's layout: head dims padded to its own widths.
   kp, vp = pallas_core.padded_dim(n_k), pallas_core.padded_dim(n_v)
   states, delta = saved
-  return outputs, (t, states[..., :kp, :vp], delta[..., :vp],
-                   None if channel is None else channel[1])
+  if maps is not None:  # those the backward's reverse pass reads
+    maps = maps[1:, ..., :kp, :kp]
+  return outputs, ((t, states[..., :kp, :vp], delta[..., :vp],
+                    None if channel is None else channel[1]), maps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -408,9 +440,10 @@ def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
 
 def _fwd(scale, plan, backward, q, k, v, a, b, initial_state):
   del backward
-  outputs, saved = _forward(plan, scale, q, k, v, a, b, initial_state,
-                            save=True)
-  return outputs, (q, k, v, a, b, initial_state, None, None, None, saved)
+  outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
+                                    initial_state, save=True)
+  return outputs, ((q, k, v, a, b, initial_state, None, None, None, saved),
+                   maps)
 
 
 def _in_mosaic(name, **options):
@@ -446,9 +479,11 @@ def _kernel_options(schedule, names, narrow_dk, fused_reverse):
 
 def _bwd(scale, plan, backward, residuals, cotangents):
   names, narrow_dk, fused_reverse = backward
+  residuals, maps = residuals
   if residuals[3].shape[-1] > 1:  # per channel: the reverse pass and ut
     names = tuple(n for n in names if n in ("reverse", "ut"))
   options = _kernel_options(plan[0], names, narrow_dk, fused_reverse)
+  options["reverse"]["maps"] = maps
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}

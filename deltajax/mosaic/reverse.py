@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.mosaic import compat
+from deltajax.mosaic import scan
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV, C
 
@@ -77,16 +78,25 @@ class _Shared(NamedTuple):
   final: object   # barrier: dS of the final state arrived
 
 
-def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
-          d_delta_ref, d_next_ref, d_initial_ref, *scratch, groups, scale,
-          transposed, per_channel):
+def _outputs(refs, local):
+  """``(d_delta_ref, d_next_ref, d_initial_ref, scratch)`` (a ``local``
+  pass has only d_initial)."""
+  if local:
+    return None, None, refs[0], refs[1:]
+  return (*refs[:3], refs[3:])
+
+
+def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
+          groups, scale, transposed, per_channel, pieces, local):
+  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
   sh = _Shared(*scratch)
-  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  (bi, first), n_chunks = pieces.rows(row), pieces.length
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
-  n_chunks = q_ref.shape[1] // C
   tile = (C, BV)
 
   def issue(n, slot):
+    n = first + n
     tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
     for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
                      (k_ref.at[bi, tokens, hk], sh.k),
@@ -108,7 +118,13 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
       issue(n - 1, 1 - slot)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    n = first + n
     return n, slot, pl.ds(n * C, C)
+
+  def store(src, ref, at):
+    """``src`` to ``ref.at[at]`` (not in a local pass)."""
+    if not local:
+      plgpu.copy_smem_to_gmem(src, ref.at[at])
 
   def factors(slot):
     """The chunk's per-head factors of dO and of ``K dS``: ``(scale e^g,
@@ -135,7 +151,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
       sh.read[...] = (on_d_o * d_o).astype(sh.read.dtype)
       reads = sh.read
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
+    store(sh.ds, d_next_ref, (bi, h, n, slice(None), cols))
     kds = mg.mm([(sh.k.at[slot], sh.ds)], tile)
     d_delta = mg.load(sh.dd.at[slot], WGMMA) + on_kds * kds
     # Per channel dO enters the product unscaled (exact in 16 bits) and the
@@ -145,7 +161,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
     sh.out[...] = d_delta.astype(sh.out.dtype)
     sh.neg[...] = (-d_delta / unit).astype(sh.neg.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
+    store(sh.out, d_delta_ref, (bi, tokens, h, cols))
     return unit * mg.mm([(compat.T(sh.q.at[slot]), reads),
                          (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
                         decay(slot, ds) / unit)
@@ -169,18 +185,20 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref,
       mg.store_transposed(sh.ds, ds_lo)
       mg.store_transposed(sh.out, d_delta_t.astype(sh.out.dtype))
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
-      plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, tokens, h, cols])
+      store(sh.ds, d_next_ref, (bi, h, n, slice(None), cols))
+      store(sh.out, d_delta_ref, (bi, tokens, h, cols))
 
     (ds_t,) = mg.products(
         [([(read_t.astype(sh.ds.dtype), sh.q.at[slot]),
            ((-d_delta_t).astype(sh.ds.dtype), sh.w.at[slot])], ds_t.shape,
-          jnp.exp(g_end) * ds_t)], meanwhile=stores)
+          jnp.exp(g_end) * ds_t)], meanwhile=(lambda: None) if local
+        else stores)
     return ds_t
 
-  # This CTA's columns of dS (rows of dS^T, which comes and goes so).
-  state_at = lambda ref: ref.at[bi, h, cols] if transposed else ref.at[
-      bi, h, :, cols]
+  # This CTA's columns of its row's dS (rows of dS^T, which comes and goes
+  # so).
+  state_at = lambda ref: ref.at[row, h, cols] if transposed else ref.at[
+      row, h, :, cols]
   plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
   issue(n_chunks - 1, 0)
   plgpu.barrier_wait(sh.final)
@@ -216,17 +234,17 @@ class _Formed(NamedTuple):
 
 
 def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
-                      dfinal_ref, d_delta_ref, d_next_ref, d_initial_ref,
-                      *scratch, groups, scale):
+                      dfinal_ref, *refs, groups, scale, pieces, local):
+  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
   sh = _Formed(*scratch)
-  bi, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+  (bi, first), n_chunks = pieces.rows(row), pieces.length
   hk, cols = lax.div(h, groups), pl.ds(vb * BV, BV)
-  n_chunks = q_ref.shape[1] // C
   dtype = sh.q.dtype
 
   def at(i):
     """``(n, slot)`` of the i-th chunk from the last."""
-    return n_chunks - 1 - i, lax.rem(i, SLOTS)
+    return first + n_chunks - 1 - i, lax.rem(i, SLOTS)
 
   def issue(i):
     n, slot = at(i)
@@ -304,6 +322,8 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       read_t = per_column(scale * jnp.exp(g)) * d_o_t.astype(jnp.float32)
 
       def stores():  # once chunk n + 1's have left
+        if local:
+          return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         mg.store_transposed(sh.ds, ds_lo)
         mg.store_transposed(sh.out, d_delta_t.astype(dtype))
@@ -319,13 +339,13 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       plgpu.barrier_arrive(sh.free.at[slot])
       return ds_t
 
-    plgpu.copy_gmem_to_smem(dfinal_ref.at[bi, h, cols], sh.f, sh.final)
+    plgpu.copy_gmem_to_smem(dfinal_ref.at[row, h, cols], sh.f, sh.final)
     plgpu.barrier_wait(sh.final)
     ds_t = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     sh.f[...] = ds_t
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[bi, h, cols])
+    plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[row, h, cols])
     plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (as in scan's "specialized").
@@ -333,7 +353,8 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
   plgpu.barrier_wait(sh.done)
 
 
-def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale):
+def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
+                local=False):
   """:func:`backward` (``transposed``, per head) forming W and
   dDelta_local itself, in three warpgroups.
 
@@ -343,18 +364,21 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale):
       d_o: ``[B, T, HV, V]``, one 16-bit dtype; K in {64, 128}, V a
       multiple of 64, T a multiple of 64.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
-    d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
+    d_final: ``[B P, HV, K, V]`` float32, the cotangent of each piece's
+      exit state.
     scale: Python float multiplying q.
+    pieces, local: as for :func:`backward`.
 
   Returns:
-    :func:`backward`'s ``(d_delta, d_next, d_initial)``.
+    :func:`backward`'s ``(d_delta, d_next, d_initial)``, or with ``local``
+    ``d_initial``.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
-  out_type = [jax.ShapeDtypeStruct(d_o.shape, dtype),
-              jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
-              jax.ShapeDtypeStruct((bsz, heads, dv, dk), jnp.float32)]
+  pieces = _whole(pieces, t_len)
+  out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
+                       (d_final.shape[0], heads, dv, dk), local)
   keys = compat.smem((SLOTS, C, dk), dtype)
   square = compat.smem((SLOTS, C, C), dtype)
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
@@ -368,18 +392,36 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale):
              plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
-                                         scale=scale)
-  d_delta, d_next, d_initial = mg.kernel(
+                                         scale=scale, pieces=pieces,
+                                         local=local)
+  *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
-      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+      grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       num_threads=3, thread_name="wg",
       kernel_name="deltajax_mosaic_reverse_specialized",
   )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3))
-  return d_delta, d_next, jnp.swapaxes(d_initial, 2, 3)
+  d_initial = jnp.swapaxes(d_initial, 2, 3)
+  return d_initial if local else (*outs, d_initial)
+
+
+def _whole(pieces, t_len):
+  """``pieces``, or None: the whole sequence, one piece."""
+  return scan.Pieces(1, t_len // C) if pieces is None else pieces
+
+
+def _out_type(d_delta, dtype, d_next, d_initial, local):
+  """The reverse pass's output types from their shapes: dDelta and
+  ``d_next`` (not in a ``local`` pass) in ``dtype``, ``d_initial``
+  float32."""
+  initial = jax.ShapeDtypeStruct(d_initial, jnp.float32)
+  if local:
+    return [initial]
+  return [jax.ShapeDtypeStruct(d_delta, dtype),
+          jax.ShapeDtypeStruct(d_next, dtype), initial]
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
-             transposed=False, per_channel=False):
+             transposed=False, per_channel=False, pieces=None, local=False):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -389,7 +431,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
       64.
     g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
     d_delta_local: ``[B, T, HV, V]`` float32, the output's share of dDelta.
-    d_final: ``[B, HV, K, V]`` float32, the final state's cotangent.
+    d_final: ``[B P, HV, K, V]`` float32, the cotangent of the state
+      leaving each of the ``P`` pieces.
     scale: Python float multiplying q.
     transposed: carry ``dS^T`` (as :mod:`scan`'s "specialized" schedule
       carries ``S^T``) instead of dS.
@@ -397,11 +440,16 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
       then ``Q e^g`` and ``K e^{g_C - g}`` (``[B, T, HV, K]``,
       :func:`deltajax.pallas.intra.chunk_gates`) and g the gate at each
       chunk's end, ``[B, HV, T / C, K]`` float32.
+    pieces: :class:`scan.Pieces` walked side by side, each from its exit
+      state's cotangent; None: the whole sequence, one piece.
+    local: write nothing but ``d_initial`` (a piece's own share of its
+      entry state's cotangent, from a zero ``d_final``).
 
   Returns:
     ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
-    each chunk's exit state), both in k's dtype, d_initial [B, HV, K, V]
-    float32)``.
+    each chunk's exit state), both in k's dtype, d_initial [B P, HV, K, V]
+    float32 (of each piece's entry state))``, or with ``local``
+    ``d_initial``.
   """
   if transposed and per_channel:
     raise ValueError("the transposed reverse pass has only the per-head "
@@ -409,11 +457,11 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
+  pieces = _whole(pieces, t_len)
   if transposed:  # dS^T comes in and goes out: [B, HV, V, K]
     d_final = jnp.swapaxes(d_final, 2, 3)
-  out_type = [jax.ShapeDtypeStruct(d_o.shape, dtype),
-              jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
-              jax.ShapeDtypeStruct(d_final.shape, jnp.float32)]
+  out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
+                       d_final.shape, local)
   keys = compat.smem((SLOTS, C, dk), dtype)
   tile = compat.smem((C, BV), dtype)
   scratch = [keys, keys, keys,
@@ -425,12 +473,13 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             transposed=transposed, per_channel=per_channel)
-  d_delta, d_next, d_initial = mg.kernel(
+                             transposed=transposed, per_channel=per_channel,
+                             pieces=pieces, local=local)
+  *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
-      grid=(bsz, heads, dv // BV), grid_names=("b", "h", "v"),
+      grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_reverse",
   )(q, k, w, g, d_o, d_delta_local, d_final)
   if transposed:
     d_initial = jnp.swapaxes(d_initial, 2, 3)
-  return d_delta, d_next, d_initial
+  return d_initial if local else (*outs, d_initial)

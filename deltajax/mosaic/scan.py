@@ -116,10 +116,16 @@ _OUTPUT_ONLY = ("q", "o", "p", "p_loaded")
 
 class Pieces(NamedTuple):
   """Which runs of chunks the grid's rows walk: ``count`` pieces of each
-  sequence, ``length`` chunks each, piece ``p`` from chunk ``p * length``
-  (the grid's row ``b * count + p``)."""
+  sequence, ``length`` chunks each; the grid's row ``b * count + p`` walks
+  piece ``start + p``, from chunk ``(start + p) * length``."""
   count: int
   length: int
+  start: int = 0
+
+  def rows(self, row):
+    """``(the sequence, the first chunk)`` of the grid's ``row``."""
+    piece = lax.rem(row, self.count) + self.start
+    return lax.div(row, self.count), piece * self.length
 
 
 def _roles(maps):
@@ -325,8 +331,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   refs = refs[2:] if save else refs
   sh, sync = _shared(refs, per_channel, schedule, maps)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
-  bi, first = lax.div(row, pieces.count), lax.rem(row, pieces.count)
-  first, n_chunks = first * pieces.length, pieces.length
+  (bi, first), n_chunks = pieces.rows(row), pieces.length
   hk, state_cols = lax.div(h, groups), pl.ds(vb * BV, BV)
   cols, values = state_cols, None
   if maps:  # the state's first K columns are the identity's, with v = 0
