@@ -144,6 +144,33 @@ def test_pieces_in_the_specialized_scan():
       _mosaic_vjp(args, cts, pieces=pieces)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
+  """The whole forward and backward in two pieces lowers for CUDA under
+  ``jax_enable_x64`` (as the GPU tests run it): the arrays the wrappers
+  create between the kernels (the map pass's identity, the local reverse
+  pass's zero cotangent) stay float32, which the interpreter does not
+  check (a float64 one failed every GPU test of the pieces)."""
+  monkeypatch.setattr(ops, "_mosaic_gpu",
+                      lambda: compat.Mosaic(interpret=False))
+  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+
+  def loss(*x):
+    o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
+                                         chunk_size=64, pieces=2)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  keys = shape(1, 256, 1, 128)
+  args = (keys, keys, shape(1, 256, 2, 128),
+          f32(1, 256, 2, 128 if per_channel else 1), f32(1, 256, 2),
+          f32(1, 2, 128, 128))
+  with jax.enable_x64(True):
+    jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
+        lowering_platforms=("cuda",))
+
+
 def test_default_pieces(monkeypatch):
   """One piece unless the scan's CTAs fill at most half of the
   multiprocessors; then the largest power of two that fits, divides the

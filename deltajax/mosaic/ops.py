@@ -122,7 +122,8 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
   piece runs from the cotangent leaving it."""
   count, bsz = maps.shape[0] + 1, d_final.shape[0]
   length = n_chunks // count
-  local = run(jnp.zeros((bsz * (count - 1), *d_final.shape[1:])),
+  local = run(jnp.zeros((bsz * (count - 1), *d_final.shape[1:]),
+                        d_final.dtype),
               pieces=scan.Pieces(count - 1, length, start=1), local=True)
   by_piece = lambda x: jnp.moveaxis(
       x.reshape(bsz, count - 1, *x.shape[1:]), 1, 0)
