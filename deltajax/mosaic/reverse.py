@@ -29,6 +29,10 @@ form them) into the slot; WG0 carries ``dS^T`` with ``dDelta_local^T =
 dO^T P`` one more product of the group that forms ``dS^T K^T``. So
 neither W nor the output's float32 dDelta_local goes through HBM.
 
+Both passes walk pieces of the sequences as the scan does
+(:class:`scan.Pieces`), each from its exit state's cotangent; a ``local``
+pass writes nothing but each piece's entry cotangent.
+
 A per-channel gate (KDA; not ``transposed``) comes as the Pallas kernels'
 decayed operands (``per_channel`` of :func:`backward`), as the Pallas
 per-channel pass takes them::

@@ -47,6 +47,13 @@ per CTA at K = 128 (187 KB for the per-head gate).
 
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
+
+The grid's rows may be pieces of the sequences (:class:`Pieces`), each from
+its own entry state. :func:`piece_maps` gives those: the same kernel with
+K more value columns, the state from ``[I | 0]`` and v taken as zero in
+the identity's columns (the columns of S evolve independently), and no
+output (in the specialized schedule WG0 alone, with the loads' warpgroup),
+leaves each piece's ``[M | E]``: ``S_exit = M S_entry + E``.
 """
 
 from __future__ import annotations
