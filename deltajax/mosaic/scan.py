@@ -131,6 +131,11 @@ class Pieces(NamedTuple):
 
   def rows(self, row):
     """``(the sequence, the first chunk)`` of the grid's ``row``."""
+    if (self.count, self.start) == (1, 0):
+      # The whole sequence, indexed statically: JAX 0.10.2's interpreter
+      # stalls in reverse.specialized when the first chunk is traced
+      # (compiled, the H200 runs it in pieces at fla's tolerances).
+      return row, 0
     piece = lax.rem(row, self.count) + self.start
     return lax.div(row, self.count), piece * self.length
 
