@@ -127,7 +127,6 @@ MOSAIC_VARIANTS = {
     "mosaic:wide": dict(narrow_dk=False),
     "mosaic:one": dict(schedule="one"),
     "mosaic:unfused": dict(fused_reverse=False),
-    "mosaic:unfused_output": dict(fused_output=False),
     **{f"mosaic:pieces={n}": dict(pieces=n) for n in (1, 2, 4, 8, 16)},
 }
 

@@ -88,14 +88,6 @@ def copy_in(copies, barrier):
     plgpu.copy_gmem_to_smem(src, dst, barrier)
 
 
-def store(value, staging, dst):
-  """``value`` to HBM at ``dst`` through the shared ``staging`` tile (the
-  copy left in flight)."""
-  staging[...] = value.astype(staging.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(staging, dst)
-
-
 def smem(shape, dtype):
   """Shared memory tiled and swizzled for TMA and wgmma (rows along the last
   axis): the widest swizzle the row allows."""

@@ -100,17 +100,6 @@ def _w_u(mg, k, v, g, b, t, *, values, deferred):
   return ut.w_u(mg, k, v, g, b, t, values=values)
 
 
-def _output(mg, q, k, g, states, delta, d_o, scale, *, narrow_dk,
-            local_delta, deferred):
-  """:func:`output.output_backward`, or with ``deferred`` its inputs for
-  ut_backward (in dg_out's place), which forms the output's shares itself
-  and returns dq."""
-  if deferred:
-    return None, ut_backward.Output(q, d_o, scale), None, None
-  return output.output_backward(mg, q, k, g, states, delta, d_o, scale=scale,
-                                narrow_dk=narrow_dk, local_delta=local_delta)
-
-
 def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
              maps=None, **options):
   """:func:`reverse.backward` on the Pallas pass's arguments: per channel
@@ -162,9 +151,6 @@ def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
   ``kr`` (Gated DeltaNet-2's) are refused."""
   if kr is not None:
     raise ValueError("the Mosaic GPU ut_backward has no read keys")
-  if isinstance(dg_out, ut_backward.Output):  # the output's, deferred
-    return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
-                                   d_delta, output_shares=dg_out)
   return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
                                  d_delta, dk_out, dg_out)
 
@@ -173,7 +159,8 @@ _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
         "w_u", _w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
     "output": _BackwardKernel(
-        "output_backward", _output, pallas_output.output_backward,
+        "output_backward", output.output_backward,
+        pallas_output.output_backward,
         ("q", "k", "g", "states", "delta", "d_o", "scale"), ("q", "d_o")),
     "reverse": _BackwardKernel(
         "backward_scan", _reverse, pallas_state.backward_scan,
@@ -191,8 +178,7 @@ INVERSES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", backward=None,
-                       narrow_dk=None, fused_reverse=None, fused_output=None,
-                       pieces=None):
+                       narrow_dk=None, fused_reverse=None, pieces=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -244,13 +230,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
       temporaries 483 against 613 MiB), not in the interpreter, which can
       stall with several three-warpgroup CTAs on two cores.
-    fused_output: the output's backward formed inside ut_backward
-      (:func:`output.shares_by_blocks`), one chunk-parallel kernel for the
-      parallel gradients, as jla's ``chunk_grads``: q and dO read there
-      once more, k, S, Delta and the gate not twice, dk_out and dg_out not
-      through HBM (dk_out not rounded to 16 bits). True needs
-      ``fused_reverse`` (without it the reverse pass needs the output's
-      dDelta_local first); None (the default) means on with it.
     pieces: the scan and the reverse pass cut each sequence into this many
       equal runs of chunks, walked side by side: a first pass maps each
       run's entry state to its exit state (:func:`scan.piece_maps`), the
@@ -305,9 +284,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, BACKWARD,
                           backward) and schedule == "specialized"
-  if fused_output and not fused_reverse:
-    raise ValueError("fused_output needs fused_reverse")
-  fused_output = fused_reverse if fused_output is None else fused_output
   n_chunks = -(-q.shape[1] // CHUNK)
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
@@ -316,8 +292,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     raise ValueError(f"pieces must be a positive int dividing the "
                      f"{n_chunks} chunks; got {pieces!r}")
   o, final = _mosaic(float(scale), (schedule, inverse, pieces),
-                     (tuple(backward), narrow_dk, fused_reverse,
-                      fused_output),
+                     (tuple(backward), narrow_dk, fused_reverse),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -469,7 +444,7 @@ def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
   inverse, its pieces) and ``backward`` (its Mosaic kernels, narrow_dk,
-  fused_reverse, fused_output) are static."""
+  fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
@@ -497,13 +472,12 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(schedule, names, narrow_dk, fused_reverse, fused_output):
+def _kernel_options(schedule, names, narrow_dk, fused_reverse):
   """The Mosaic backward kernels' options, by name: the reverse pass
   carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; W alone
   from ut.w_u where the Mosaic ut_backward (which needs no U) takes it;
   with ``narrow_dk``, a 16-bit share of dk from the output's backward;
-  with ``fused_reverse``, W and dDelta_local left to the reverse pass;
-  with ``fused_output``, the output's backward to ut_backward.
+  with ``fused_reverse``, W and dDelta_local left to the reverse pass.
   (The kernels that an option couples fall back to Pallas at the same head
   dims.)"""
   options = {name: {} for name in BACKWARD}
@@ -512,16 +486,15 @@ def _kernel_options(schedule, names, narrow_dk, fused_reverse, fused_output):
   options["w_u"]["deferred"] = fused_reverse
   options["output"]["narrow_dk"] = narrow_dk
   options["output"]["local_delta"] = not fused_reverse
-  options["output"]["deferred"] = fused_output
   return options
 
 
 def _bwd(scale, plan, backward, residuals, cotangents):
-  names, *kernel_options = backward
+  names, narrow_dk, fused_reverse = backward
   residuals, maps = residuals
   if residuals[3].shape[-1] > 1:  # per channel: the reverse pass and ut
     names = tuple(n for n in names if n in ("reverse", "ut"))
-  options = _kernel_options(plan[0], names, *kernel_options)
+  options = _kernel_options(plan[0], names, narrow_dk, fused_reverse)
   options["reverse"]["maps"] = maps
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:

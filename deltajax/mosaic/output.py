@@ -31,21 +31,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.mosaic import compat
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
-from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 _INPUTS = 7  # TMA copies: q, k, the gate twice, S, Delta, dO
 
 
-def _scaled_gamma(mg, g, g_cols, scale):
-  """``scale Gamma``, ``[C, C]`` float32: ``scale e^{g_i - g_j}`` on ``j <=
-  i``, masked before exp (seed, section 4.1); ``g`` per row (ROWS), its
-  columns' from ``g_cols``."""
-  square = (C, C)
-  return scale * jnp.exp(jnp.where(
-      mg.iota(square, 0) >= mg.iota(square, 1),
-      compat.rows(g, square)
-      - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
+def _store(value, staging, dst):
+  """``value`` to HBM at ``dst`` through the shared ``staging`` tile."""
+  staging[...] = value.astype(staging.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dst)
 
 
 def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
@@ -67,8 +62,12 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
                   (do_ref.at[bi, tokens, h], do_s)), bar)
   plgpu.barrier_wait(bar)
   square = (C, C)
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   g = mg.load(g_rows, ROWS)
-  gamma = _scaled_gamma(mg, g, g_cols, scale)
+  # scale Gamma on j <= i, masked before exp (seed, section 4.1).
+  gamma = scale * jnp.exp(jnp.where(
+      rows >= cols, lax.broadcast_in_dim(g, square, [0])
+      - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
   qk, dp = mg.products([([(q_s, compat.T(k_s))], square, None),
                         ([(do_s, compat.T(delta_s))], square, None)])
   p_s[...] = (gamma * qk).astype(p_s.dtype)
@@ -81,76 +80,18 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
       *([([(compat.T(p_s), do_s)], do_s.shape, None)] if local_delta
         else [])])
   if local_delta:
-    compat.store(dd[0], dd_s, dd_ref.at[bi, tokens, h])
-  compat.store(dk, dk_s, dk_ref.at[bi, tokens, h])
+    _store(dd[0], dd_s, dd_ref.at[bi, tokens, h])
+  _store(dk, dk_s, dk_ref.at[bi, tokens, h])
   (dq,) = mg.products([([(dp_s, k_s)], dk_keys,
                         lax.broadcast_in_dim(scale * jnp.exp(g), dk_keys, [0])
                         * dq)])
-  compat.store(dq, dq_s, dq_ref.at[bi, tokens, h])
+  _store(dq, dq_s, dq_ref.at[bi, tokens, h])
   q, k = mg.load(q_s, WGMMA), mg.load(k_s, WGMMA)
   dg_s[...] = (jnp.sum(q.astype(jnp.float32) * dq, axis=1)
                - jnp.sum(k.astype(jnp.float32) * dk, axis=1))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(dg_s, dg_ref.at[bi, h, tokens])
   plgpu.wait_smem_to_gmem(0)
-
-
-def shares_by_blocks(mg, refs, at, k_s, g_rows, g_cols, dp_s, dg_s, bars, *,
-                     scale):
-  """The output's shares inside another kernel's CTA (one chunk, one value
-  head; :func:`deltajax.mosaic.ut_backward.ut_backward`'s), by blocks of BV
-  value columns and in scopes of their own: dq written, ``rowsum(Q * dq)``
-  in ``dg_s`` and ``dP~`` in ``dp_s``, whose product with Q (dk_out) that
-  kernel forms with its own share of dk.
-
-  ``refs``: q, dO, S, Delta and dq in HBM; ``at``: ``(batch, chunk, value
-  head, key head)``; ``k_s``, ``g_rows``, ``g_cols``: the chunk's keys and
-  gate in shared memory, ready; ``bars``: a barrier of one arrival (q) and
-  one of three (the blocks)."""
-  q_ref, do_ref, s_ref, delta_ref, dq_ref = refs
-  bi, n, h, hk = at
-  q_bar, block_bar = bars
-  tokens, dtype = pl.ds(n * C, C), k_s.dtype
-  keys, square, tile = k_s.shape, (C, C), (C, BV)
-
-  def blocks(s_s, delta_s, do_s):
-    """``(dO S^T [C, K], dO Delta^T [C, C])``, float32."""
-    def load_block(j):
-      cols = pl.ds(j * BV, BV)
-      compat.copy_in(((s_ref.at[bi, h, n, :, cols], s_s),
-                      (delta_ref.at[bi, tokens, h, cols], delta_s),
-                      (do_ref.at[bi, tokens, h, cols], do_s)), block_bar)
-
-    load_block(0)
-    do_s_t = dp = None
-    n_blocks = do_ref.shape[-1] // BV
-    for j in range(n_blocks):
-      plgpu.barrier_wait(block_bar)
-      do_s_t, dp = mg.products([([(do_s, compat.T(s_s))], keys, do_s_t),
-                                ([(do_s, compat.T(delta_s))], square, dp)])
-      if j + 1 < n_blocks:  # this block's tiles are read
-        load_block(j + 1)
-    return do_s_t, dp
-
-  def scope(q_s):
-    plgpu.copy_gmem_to_smem(q_ref.at[bi, tokens, hk], q_s, q_bar)
-    do_s_t, dp = pl.run_scoped(blocks, compat.smem((keys[1], BV), dtype),
-                               compat.smem(tile, dtype),
-                               compat.smem(tile, dtype))
-    g = mg.load(g_rows, ROWS)
-    dp_s[...] = (_scaled_gamma(mg, g, g_cols, scale) * dp).astype(dtype)
-    plgpu.commit_smem()
-    (dq,) = mg.products([([(dp_s, k_s)], keys, compat.rows(
-        scale * jnp.exp(g), keys) * do_s_t)])
-    plgpu.barrier_wait(q_bar)
-    dg_s[...] = jnp.sum(mg.load(q_s, WGMMA).astype(jnp.float32) * dq, axis=1)
-
-    def staged(dq_s):
-      compat.store(dq, dq_s, dq_ref.at[bi, tokens, h])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's end
-    pl.run_scoped(staged, compat.smem(keys, dq_ref.dtype))
-
-  pl.run_scoped(scope, compat.smem(keys, dtype))
 
 
 def output_backward(mg, q, k, g, states, delta, d_o, *, scale,

@@ -60,14 +60,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.mosaic import compat
-from deltajax.mosaic import output
 from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 _CHUNK_INPUTS = 7  # TMA copies: k, T, the gate twice, b twice, dg_out
-# (no dg_out where the output's shares are formed here)
 # (per channel: the gate's last row alone, no dg_out; its tile comes later)
 _BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS'
 
@@ -94,8 +92,8 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
   K]``, ``[C, K]``, ``[C, C]``, ``[C]``, ``[K]`` float32; dv written.
 
   ``refs``: v, dDelta, Delta, S, dS' and dv in HBM; ``at``: the chunk's
-  ``(batch, chunk, value head)``; the chunk's inputs (arriving on ``bar``;
-  None: in) hold T and beta."""
+  ``(batch, chunk, value head)``; the chunk's inputs (arriving on ``bar``)
+  hold T and beta."""
   v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref = refs
   bi, n, h = at
   tokens, dk_dim = pl.ds(n * C, C), s_ref.shape[3]
@@ -111,8 +109,7 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
                       (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
 
     load_block(0)
-    if bar is not None:
-      plgpu.barrier_wait(bar)
+    plgpu.barrier_wait(bar)
     beta = mg.load(b_s, ROWS)
     d_k_end = minus_dw = z = db = ds_sum = None
     n_blocks = v_ref.shape[-1] // BV
@@ -147,16 +144,9 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
 
 
 def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
-          dd_ref, side_ref, dgout_ref, dk_ref, dv_ref, db_ref, da_ref, *refs,
-          groups, dtypes, scale):
-  """One chunk of a per-head gate's backward. ``side_ref`` and
-  ``dgout_ref``: dk_out and dg_out, or with a ``scale`` (the output's shares
-  formed here, :func:`output.shares_by_blocks`) q and dO, and dq is written
-  after da."""
-  fused = scale is not None
-  dq_ref, *refs = refs if fused else (None, *refs)
-  (k_s, t_s, g_rows, g_cols, b_s, b_cols, dgout_s, vec_s, key_vec_s, bar,
-   block_bar, side_bar, *output_scratch) = refs
+          dd_ref, dkout_ref, dgout_ref, dk_ref, dv_ref, db_ref, da_ref, k_s,
+          t_s, g_rows, g_cols, b_s, b_cols, dgout_s, vec_s, key_vec_s, bar,
+          block_bar, dkout_bar, *, groups, dtypes):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   dk_dim = k_s.shape[1]
@@ -167,51 +157,45 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
                   (g_ref.at[bi, h, tokens], g_cols),
                   (b_ref.at[bi, h, tokens], b_s),
                   (b_ref.at[bi, h, tokens], b_cols),
-                  *([] if fused else
-                    [(dgout_ref.at[bi, h, tokens], dgout_s)])), bar)
-  if fused:
-    dp_s, output_bar = output_scratch
-    plgpu.barrier_wait(bar)
-    output.shares_by_blocks(
-        mg, (side_ref, dgout_ref, s_ref, delta_ref, dq_ref), (bi, n, h, hk),
-        k_s, g_rows, g_cols, dp_s, dgout_s, (side_bar, output_bar),
-        scale=scale)
+                  (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
   d_k_end, minus_dw, z, db, ds_sum = _value_blocks(
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
-      t_s, b_s, None if fused else bar, block_bar, dtypes.k)
+      t_s, b_s, bar, block_bar, dtypes.k)
 
-  def keys_side(side_s, dw_s, de_s, dk_s):
-    """dk, db, da (in the shared memory that the value blocks held);
-    ``side_s``: dk_out, or q for ``dk_out = dP~^T Q``."""
-    plgpu.copy_gmem_to_smem(side_ref.at[bi, tokens, hk if fused else h],
-                            side_s, side_bar)
+  def keys_side(dkout_s, dw_s, de_s, dk_s):
+    """dk, db, da (in the shared memory that the value blocks held)."""
+    plgpu.copy_gmem_to_smem(dkout_ref.at[bi, tokens, h], dkout_s, dkout_bar)
     beta, g, g_end = mg.load(b_s, ROWS), mg.load(g_rows, ROWS), g_rows[C - 1]
     to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
     dw_s[...] = (-minus_dw).astype(dw_s.dtype)
     plgpu.commit_smem()
-    d_xk, kk = mg.products([([(compat.T(t_s), dw_s)], keys, None),
-                            ([(k_s, compat.T(k_s))], square, None)])
+    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    # dX_k's 16-bit copy in dW's place (read), and what needs dX_k and
+    # dK_end formed at once: neither is live through the products below,
+    # nor K K^T through this one (the kernel is held at 255 registers and
+    # spills; RESULTS run V).
+    dw_s[...] = d_xk.astype(dw_s.dtype)
+    plgpu.commit_smem()
+    k = mg.load(k_s, WGMMA).astype(jnp.float32)
+    end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
+    d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
+    dg = beta * d_xk_kg - end_share
+    dk = (compat.rows(to_end, keys) * d_k_end
+          + compat.rows(from_start * beta, keys) * d_xk)
     # -dM = dX_v U^T + dX_k W^T = (Z diag(b) + dX_k K^T diag(b e^g)) T^T for
     # U = T diag(b) V, W = T diag(b e^g) K, which are never formed; the
     # bracket in two bf16 passes.
-    (z_k,) = mg.products([([(d_xk.astype(dw_s.dtype), compat.T(k_s))],
-                           square, None)])
+    (z_k,) = mg.products([([(dw_s, compat.T(k_s))], square, None)])
     beta_col = mg.load(b_cols, COLS)
     bracket = (z * lax.broadcast_in_dim(beta_col, square, [1])
                + z_k * lax.broadcast_in_dim(
                    beta_col * jnp.exp(mg.load(g_cols, COLS)), square, [1]))
     r_hi, r_lo = ut.halves(bracket, dw_s.dtype)
-    (minus_dm,) = mg.products([([(r_hi, compat.T(t_s)),
-                                 (r_lo, compat.T(t_s))], square, None)])
-    k = mg.load(k_s, WGMMA).astype(jnp.float32)
-    end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
-    d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
-    dg = beta * d_xk_kg - end_share
-    plgpu.barrier_wait(side_bar)
-    dk = (compat.rows(to_end, keys) * d_k_end
-          + compat.rows(from_start * beta, keys) * d_xk)
-    if not fused:
-      dk = dk + mg.load(side_s, WGMMA).astype(jnp.float32)
+    minus_dm, kk = mg.products([([(r_hi, compat.T(t_s)),
+                                  (r_lo, compat.T(t_s))], square, None),
+                                ([(k_s, compat.T(k_s))], square, None)])
+    plgpu.barrier_wait(dkout_bar)
+    dk = dk + mg.load(dkout_s, WGMMA).astype(jnp.float32)
 
     # M = diag(b) A: db's share, then dA = diag(b) dM through A.
     rows, cols = mg.iota(square, 0), mg.iota(square, 1)
@@ -223,15 +207,12 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
         de_s.dtype)
     plgpu.commit_smem()
-    # dk_out = dP~^T Q goes with dE^T K: the gate's share of both is
-    # -rowsum(K * .) (output's docstring).
-    dk_rows, dk_cols = mg.products([
-        ([(de_s, k_s)], keys, None),
-        ([(compat.T(de_s), k_s),
-          *([(compat.T(output_scratch[0]), side_s)] if fused else [])],
-         keys, None)])
+    dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
+                                    ([(compat.T(de_s), k_s)], keys, None)])
     dk = dk + dk_rows + dk_cols
-    dg = dg + jnp.sum(k * dk_rows, axis=1) - jnp.sum(k * dk_cols, axis=1)
+    # K again from shared memory, not kept through the products.
+    dg = dg + jnp.sum(mg.load(k_s, WGMMA).astype(jnp.float32)
+                      * (dk_rows - dk_cols), axis=1)
 
     dk_s[...] = dk.astype(dk_s.dtype)
     vec_s[...] = d_b
@@ -348,15 +329,6 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
   pl.run_scoped(keys_side, keys_tile, keys_tile)
 
 
-class Output(NamedTuple):
-  """What :func:`ut_backward` forms the output's shares from, in place of
-  dk_out and dg_out: q ``[B, T, H, K]``, dO ``[B, T, HV, V]`` (k's dtype)
-  and the Python float multiplying q."""
-  q: jax.Array
-  d_o: jax.Array
-  scale: float
-
-
 class _Dtypes(NamedTuple):
   """The kernel's 16-bit dtype, and those of dk_out and dk."""
   k: object
@@ -365,7 +337,7 @@ class _Dtypes(NamedTuple):
 
 
 def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
-                dk_out=None, dg_out=None, output_shares=None):
+                dk_out=None, dg_out=None):
   """The cotangents of k, v, beta and the gate's increments.
 
   Args:
@@ -378,10 +350,6 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
       the chunk-local cumulative log gate; b: ``[B, HV, T]`` float32 beta.
     dk_out: ``[B, T, HV, K]`` (float32 or k's dtype), dg_out: ``[B, HV,
       T]`` float32: the output's shares (per head; None per channel).
-    output_shares: an :class:`Output` (per head, dk_out and dg_out None): the
-      output's backward in this kernel (:func:`output.shares_by_blocks`),
-      with dq returned after da (as :func:`output.output_backward`'s);
-      its dk_out in float32 where that kernel hands it on.
 
   Returns:
     ``(dk, dv, db, da)`` as :func:`deltajax.pallas.ut.ut_backward`'s: ``[B,
@@ -412,30 +380,20 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
                                        dtype=dtype)
     inputs = (k, v, g, b, t, states, d_next, delta, d_delta)
   else:
-    fused = output_shares is not None
-    per_value_head = dtype if heads == h else f32
-    dtypes = _Dtypes(dtype, dtype if fused else dk_out.dtype, per_value_head)
+    dtypes = _Dtypes(dtype, dk_out.dtype, dtype if heads == h else f32)
     out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtypes.dk),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
                 jax.ShapeDtypeStruct(b.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32)]
-    # Only what every scope of _body uses; each scope allocates its own
+    # Only what both scopes of _body use; each scope allocates its own
     # tiles in the same place after these.
     scratch = [*chunk_shared, vec, vec, vec, vec, vec, vec,
                plgpu.SMEM((dk,), f32),
-               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - fused),
+               plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
                plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
                plgpu.Barrier(num_arrivals=1)]
-    sides = (dk_out, dg_out)
-    if fused:  # dq; dP~, and the barrier of the output's blocks
-      out_type.append(jax.ShapeDtypeStruct((bsz, t_len, heads, dk),
-                                           per_value_head))
-      scratch += [compat.smem((C, C), dtype), plgpu.Barrier(num_arrivals=3)]
-      sides = (output_shares.q, output_shares.d_o.astype(dtype))
-    body = lambda *refs: _body(
-        mg, *refs, groups=heads // h, dtypes=dtypes,
-        scale=output_shares.scale if fused else None)
-    inputs = (k, v, g, b, t, states, d_next, delta, d_delta, *sides)
+    body = lambda *refs: _body(mg, *refs, groups=heads // h, dtypes=dtypes)
+    inputs = (k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out)
   return mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),

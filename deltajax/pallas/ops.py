@@ -253,8 +253,7 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   backward, on the residuals its forward saves in this layout, with its own
   kernels in place of :func:`ut.w_u`, :func:`output.output_backward`,
   :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
-  signatures; its output's backward may leave dq None, and its shares to
-  its ut_backward, which then returns dq after da)."""
+  signatures)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -290,8 +289,6 @@ def backward(scale, chunk_size, config, residuals, cotangents,
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)
-  if dq is None and p is None:  # the output's backward left to ut_backward
-    (dq,) = per_channel
   dkr = None
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
