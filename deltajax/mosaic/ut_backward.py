@@ -43,10 +43,11 @@ adds the chunk end's share ``rowsum(dS' * S') = sum_i (K e^{g_C - g} *
 dK_end)_i + e^{g_C} rowsum(dS' * S)`` (the sum over rows as one product of
 a row of ones with the term's two 16-bit halves). Every exponent is ``<=
 0``. The gate's float32 tile (32 KB at K = 128) arrives after the value
-blocks, in their region, while ``dX_k`` is formed, and is read once into
-registers; the outputs' staging (dk then dg, and dM) takes its place: 111
-KB of shared memory per CTA at K = V = 128, two CTAs per multiprocessor
-(143 KB, one, with the tile beside the value blocks' tiles).
+blocks, in their region, while ``dX_k`` is formed; it is read where it is
+used (only dX_k and dK_end are live through dM's products), then stages
+dk and dg: 111 KB of shared memory per CTA at K = V = 128, two CTAs per
+multiprocessor (143 KB, one, with the tile beside the value blocks'
+tiles).
 """
 
 from __future__ import annotations
@@ -254,40 +255,24 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
       t_s, b_s, bar, block_bar, dtype)
 
-  def keys_side(dw_s, kg_s):
-    """dM, then dk, db and dg (in the shared memory of the value blocks):
-    the gate's tile in a scope of its own, read once into registers, then
-    the outputs' staging in its place."""
-    def gate(g_s):
-      """``(dX_k = T^T dW, K, g, e^g)``, float32 ``[C, K]``, with ``K e^g``
-      in kg_s; the gate's copy arrives while dX_k is formed."""
-      plgpu.copy_gmem_to_smem(g_ref.at[bi, h, tokens], g_s, g_bar)
-      dw_s[...] = (-minus_dw).astype(dtype)
-      plgpu.commit_smem()
-      (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
-      plgpu.barrier_wait(g_bar)
-      g = mg.load(g_s, WGMMA)
-      k = mg.load(k_s, WGMMA).astype(jnp.float32)
-      from_start = jnp.exp(g)
-      kg_s[...] = (k * from_start).astype(dtype)
-      plgpu.commit_smem()  # every row has read g_s before its reuse
-      return d_xk, k, g, from_start
-
-    d_xk, k, g, from_start = pl.run_scoped(gate,
-                                           compat.smem(keys, jnp.float32))
-    pl.run_scoped(
-        lambda out_s, dm_s: outputs(dw_s, kg_s, out_s, dm_s, d_xk, k, g,
-                                    from_start),
-        compat.smem(keys, jnp.float32), compat.smem(square, jnp.float32))
-
-  def outputs(dw_s, kg_s, out_s, dm_s, d_xk, k, g, from_start):
-    """dM, dk, db and dg, staged in out_s (dk, then dg) and dm_s."""
-    beta = mg.load(b_s, ROWS)
+  def keys_side(dw_s, kg_s, g_s, dm_s):
+    """dM, then dk, db and dg (in the shared memory of the value blocks).
+    The gate's float32 tile arrives in g_s while dX_k is formed, and stages
+    dk, then dg, once read; only dX_k and dK_end are live through dM's
+    products, the gate and K read again where they are used."""
+    plgpu.copy_gmem_to_smem(g_ref.at[bi, h, tokens], g_s, g_bar)
+    dw_s[...] = (-minus_dw).astype(dtype)
+    plgpu.commit_smem()
+    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    plgpu.barrier_wait(g_bar)
+    kg_s[...] = (mg.load(k_s, WGMMA).astype(jnp.float32)
+                 * jnp.exp(mg.load(g_s, WGMMA))).astype(dtype)
+    dw_s[...] = d_xk.astype(dtype)  # dW is read
+    plgpu.commit_smem()
     # -dM = dX_v U^T + dX_k W^T = (Z + dX_k (K e^g)^T) diag(b) T^T for U =
     # T diag(b) V, W = T diag(b) (K e^g), never formed; the bracket in two
     # 16-bit passes.
-    (bracket,) = mg.products([([(d_xk.astype(dtype), compat.T(kg_s))],
-                               square, z)])
+    (bracket,) = mg.products([([(dw_s, compat.T(kg_s))], square, z)])
     bracket = bracket * lax.broadcast_in_dim(mg.load(b_cols, COLS), square,
                                              [1])
     r_hi, r_lo = ut.halves(bracket, dtype)
@@ -297,36 +282,42 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dm_s, dm_ref.at[bi, h, tokens])
 
+    beta = mg.load(b_s, ROWS)
+    k = mg.load(k_s, WGMMA).astype(jnp.float32)
+    g = mg.load(g_s, WGMMA)
     g_end = lax.broadcast_in_dim(mg.load(g_end_s, COLS), keys, [1])
-    to_end = jnp.exp(g_end - g)
+    to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
     end_share = k * to_end * d_k_end
     d_xk_kg = d_xk * k * from_start
-    out_s[...] = to_end * d_k_end + compat.rows(beta, keys) * from_start * d_xk
-    vec_s[...] = db + jnp.sum(d_xk_kg, axis=1)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, dk_ref.at[bi, tokens, h])
-    plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
+    dk = to_end * d_k_end + compat.rows(beta, keys) * from_start * d_xk
+    dg = compat.rows(beta, keys) * d_xk_kg - end_share
+    d_b = db + jnp.sum(d_xk_kg, axis=1)
     # S' = e^{g_C} S + (K e^{g_C - g})^T Delta: the last row's share, the
     # sum over rows of K e^{g_C - g} * dK_end (the product of its two 16-bit
     # halves with the last row of ones) and e^{g_C} * rowsum(dS' * S).
+    dw_s[...], kg_s[...] = ut.halves(end_share, dtype)  # both are read
     key_vec_s[...] = ds_sum
-    dw_s[...], kg_s[...] = ut.halves(end_share, dtype)
+    plgpu.commit_smem()  # every row has read g_s before its reuse
+    g_s[...] = dk
+    vec_s[...] = d_b
     plgpu.commit_smem()
-    last = mg.iota(keys, 0) == C - 1
+    plgpu.copy_smem_to_gmem(g_s, dk_ref.at[bi, tokens, h])
+    plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
     ds_share = jnp.exp(g_end) * lax.broadcast_in_dim(
         mg.load(key_vec_s, COLS), keys, [1])
-    dg = (compat.rows(beta, keys) * d_xk_kg - end_share
-          + jnp.where(last, ds_share, 0.0))
+    dg = dg + jnp.where(mg.iota(keys, 0) == C - 1, ds_share, 0.0)
     ones = jnp.where(mg.iota(square, 0) == C - 1, 1.0, 0.0).astype(dtype)
     dg = mg.mm([(ones, dw_s), (ones, kg_s)], keys, dg)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dk has left out_s
-    out_s[...] = dg
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dk has left g_s
+    g_s[...] = dg
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_s, dg_ref.at[bi, h, tokens])
+    plgpu.copy_smem_to_gmem(g_s, dg_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
   keys_tile = compat.smem(keys, dtype)
-  pl.run_scoped(keys_side, keys_tile, keys_tile)
+  pl.run_scoped(keys_side, keys_tile, keys_tile,
+                compat.smem(keys, jnp.float32),
+                compat.smem(square, jnp.float32))
 
 
 class _Dtypes(NamedTuple):
