@@ -122,6 +122,8 @@ MOSAIC_VARIANTS = {
     "mosaic:inv=mosaic": dict(inverse="mosaic"),
     "mosaic:bwd=pallas": dict(backward=()),
     "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
+    "mosaic:bwd=pallas_intra": dict(backward=tuple(
+        n for n in mosaic.BACKWARD if n != "intra")),
     **{f"mosaic:bwd={name}": dict(backward=(name,))
        for name in mosaic.BACKWARD},
     "mosaic:wide": dict(narrow_dk=False),

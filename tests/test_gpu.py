@@ -174,8 +174,9 @@ def test_mosaic_pieces_match_float64_reference(pieces, per_channel):
 def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
   """KDA through impl="mosaic" (its per-channel scan between the Pallas
   gate, scores and inverse; the Pallas backward but for the Mosaic GPU
-  reverse state pass), gradients included, fla's KDA inputs; grouped value
-  heads and weak gates (the state kept across chunks) in the last case."""
+  reverse state pass, ut_backward and scores' backward), gradients
+  included, fla's KDA inputs; grouped value heads and weak gates (the state
+  kept across chunks) in the last case."""
   args, cts = _inputs(t, d, seed=t * 1000 + d, h=4, hv=hv, per_channel=True,
                       gate_div=gate_div, nonnegative_qk=True)
   _check("mosaic", args, cts, label=f"kda mosaic T={t} D={d} HV={hv}")
@@ -186,10 +187,10 @@ def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
                                              (1024, 128, 8, 64.0)])
 def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
   """KDA with every Mosaic GPU backward kernel that takes the per-channel
-  gate (``backward=mosaic.BACKWARD``: the reverse pass and ut_backward,
-  whose gate tile reuses the value blocks' shared memory, an ordering the
-  interpreter cannot check), called directly (T a multiple of the
-  chunk)."""
+  gate (``backward=mosaic.BACKWARD``: the reverse pass, ut_backward, whose
+  gate tile reuses the value blocks' shared memory, an ordering the
+  interpreter cannot check, and the scores' backward), called directly (T
+  a multiple of the chunk)."""
   def all_mosaic(q, k, v, a, b, s0):
     return mosaic.gated_delta_mosaic(
         q, k, v, a, b, s0, None, None, scale=q.shape[-1] ** -0.5,

@@ -30,11 +30,13 @@ intra-chunk scores and T (:func:`deltajax.pallas.intra.forward`,
 :func:`deltajax.pallas.ut.inverse`), as ``impl="pallas"`` does; the scan
 and the output are :func:`scan.forward`'s (schedule "one"), and the backward
 is the Pallas one (:func:`deltajax.pallas.ops.backward`) on the residuals
-it keeps (with P), but for the reverse state pass and the backward through
-the UT transform, which run in Mosaic GPU (:func:`reverse.backward` on the
-decayed operands, :func:`ut_backward.ut_backward` on the gate's tile) where
-``backward`` has them (by default the reverse pass, and ut_backward at K
-<= 64 only; the other Mosaic backward kernels take the per-head gate only).
+it keeps (with P), but for the reverse state pass, the backward through
+the UT transform and the scores' backward, which run in Mosaic GPU
+(:func:`reverse.backward` on the decayed operands,
+:func:`ut_backward.ut_backward` on the gate's tile, :func:`intra.backward`
+through each chunk's midpoint gate, the Pallas kernel by blocks after it
+where the gate falls steeply) where ``backward`` has them (by default; the
+other Mosaic backward kernels take the per-head gate only).
 
 Few long sequences (CTAs filling at most half the multiprocessors) are
 cut into equal runs of chunks walked side by side (``pieces``): the runs'
@@ -60,12 +62,14 @@ import jax.numpy as jnp
 
 from deltajax import common
 from deltajax.mosaic import compat
+from deltajax.mosaic import intra
 from deltajax.mosaic import output
 from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut_backward
 from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
+from deltajax.pallas import intra as pallas_intra
 from deltajax.pallas import ops as pallas_ops
 from deltajax.pallas import output as pallas_output
 from deltajax.pallas import state as pallas_state
@@ -155,6 +159,20 @@ def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
                                  d_delta, dk_out, dg_out)
 
 
+def _intra(mg, *, kr, **kwargs):
+  """:func:`intra.backward` for every chunk, then the Pallas
+  :func:`deltajax.pallas.intra.backward` by blocks where the gate is not
+  gentle (its arguments; read keys are refused)."""
+  if kr is not None:
+    raise ValueError("the Mosaic GPU intra backward has no read keys")
+  done = intra.backward(mg, *(kwargs[n] for n in _INTRA_ARGS),
+                        scale=kwargs["scale"])
+  return pallas_intra.backward(**kwargs, kr=None, done=done)
+
+
+_INTRA_ARGS = ("q", "k", "g", "b", "a", "states", "d_o", "delta", "d_m",
+               "dk", "dg")
+
 _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
         "w_u", _w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
@@ -170,8 +188,14 @@ _BACKWARD_KERNELS = {
         "ut_backward", _ut, pallas_ut.ut_backward,
         ("k", "v", "g", "b", "t", "states", "d_next", "delta",
          "d_delta", "dk_out", "dg_out", "kr"), ("k", "v")),
+    "intra": _BackwardKernel(
+        "intra_backward", _intra, pallas_intra.backward,
+        (*_INTRA_ARGS, "cuts", "dkr", "kr", "scale", "chunk_size", "launch",
+         "interpret", "dot"), ("q", "d_o")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
+_PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
+_PER_CHANNEL = ("reverse", "ut", "intra")
 INVERSES = ("pallas", "mosaic")
 
 
@@ -186,8 +210,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float16 (the products take them as they are). K, V <= 128.
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet)
       or ``W = K`` (KDA, per key channel: schedule "one", the Pallas
-      inverse, and of ``backward`` only "reverse" and "ut" in Mosaic
-      GPU).
+      inverse, and of ``backward`` only "reverse", "ut" and "intra" in
+      Mosaic GPU).
     b: ``[B, T, HV]`` beta.
     initial_state: ``[B, HV, K, V]``.
     cut, chunk_seq: must be None (no packed sequences).
@@ -205,15 +229,12 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the H200, RESULTS run L) or :func:`ut.inverse`.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
-      pass, the backward through the UT transform);
-      the others are the Pallas ones, as is the rest of the backward. None
-      (the default): :func:`_default_backward`, all of them for the
-      per-head gate; per channel the reverse pass, and "ut" where K <= 64.
-      Each
-      runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
-      or 128. The Mosaic GPU backward through the UT transform needs
-      neither W nor U, so with it :func:`ut.w_u` forms W alone, for the
-      reverse pass.
+      pass, the backward through the UT transform, per channel the
+      scores' backward); the others are the Pallas ones, as is the rest of
+      the backward. None (the default): all of them. Each runs in Mosaic
+      GPU where the Pallas kernels' padded head dims are 64 or 128. The
+      Mosaic GPU backward through the UT transform needs neither W nor U,
+      so with it :func:`ut.w_u` forms W alone, for the reverse pass.
     narrow_dk: the output's backward hands its share of dk to ut_backward
       in q's 16-bit dtype instead of float32 (half its HBM traffic, one more
       rounding). True needs "output" and "ut" in ``backward``; None (the
@@ -271,7 +292,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"'one' and the Pallas inverse; got {schedule!r}, "
                      f"{inverse!r}")
   if backward is None:
-    backward = _default_backward(a.shape[-1] > 1, q.shape[-1])
+    # All of them; per channel, ut_backward at K = 128 too since its
+    # registers were cut (2.621 against 2.885 ms forward+backward with the
+    # Pallas one at (4, 4096, 16, 128) on the H200, RESULTS run W).
+    backward = BACKWARD
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
@@ -282,7 +306,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{schedule!r}")
   if fused_reverse is None:
     fused_reverse = _default_fused_reverse()
-  fused_reverse = _option("fused_reverse", fused_reverse, BACKWARD,
+  fused_reverse = _option("fused_reverse", fused_reverse, _PER_HEAD,
                           backward) and schedule == "specialized"
   n_chunks = -(-q.shape[1] // CHUNK)
   if pieces is None:
@@ -320,19 +344,6 @@ def _default_pieces(ctas, n_chunks):
          and n_chunks // (2 * pieces) >= 16):
     pieces *= 2
   return pieces
-
-
-def _default_backward(per_channel, key_dim):
-  """The Mosaic GPU backward kernels when none are asked for: all of them
-  for the per-head gate. Per channel, the reverse pass, with ut_backward
-  only where K <= 64: KDA's forward+backward on the H200 (RESULTS run R, ms,
-  Pallas ut_backward against Mosaic) at K = 64 1.402 / 1.287 at (4, 4096,
-  16, 64), 0.401 / 0.386 at (8, 1024, 8, 64), with fewer temporaries; at K
-  = 128 2.819 / 3.076 at (4, 4096, 16, 128), 2.821 / 3.063 with grouped
-  value heads (the Mosaic kernel 1.0 ms against 0.74)."""
-  if not per_channel:
-    return BACKWARD
-  return ("reverse", "ut") if key_dim <= 64 else ("reverse",)
 
 
 def _default_fused_reverse():
@@ -492,8 +503,8 @@ def _kernel_options(schedule, names, narrow_dk, fused_reverse):
 def _bwd(scale, plan, backward, residuals, cotangents):
   names, narrow_dk, fused_reverse = backward
   residuals, maps = residuals
-  if residuals[3].shape[-1] > 1:  # per channel: the reverse pass and ut
-    names = tuple(n for n in names if n in ("reverse", "ut"))
+  if residuals[3].shape[-1] > 1:  # per channel: those that take its gate
+    names = tuple(n for n in names if n in _PER_CHANNEL)
   options = _kernel_options(plan[0], names, narrow_dk, fused_reverse)
   options["reverse"]["maps"] = maps
   config = pallas_core.KernelConfig().resolve()

@@ -596,7 +596,8 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
 
 
 def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
-             chunk_size, launch, interpret, dot, kr=None, dkr=None, a=None):
+             chunk_size, launch, interpret, dot, kr=None, dkr=None, a=None,
+             done=None):
   """The output's VJP (but for ``P^T dO``, :func:`output.delta_backward`)
   and the scores', added to the other kernels' shares.
 
@@ -612,7 +613,11 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
     kr, dkr: None, or A's row keys ``[B, T, HV, K]`` (:func:`forward`) and
     the other kernels' share of their cotangent; a: None, or the log gate
     ``[B, T, HV, K]``: da is 0 where it is below the floor (clamped there,
-    :func:`common.floored`).
+    :func:`common.floored`); done: None, or the whole-chunk pass's ``(dq,
+    dk, da, db [K / W, B, HV, T])`` formed elsewhere for every chunk
+    (:func:`deltajax.mosaic.intra.backward`; W key channels per block of
+    db, which must tile ``launch.block_k``'s): this pass then rewrites only
+    the chunks whose gate is not gentle (on a block's channels).
 
   Returns:
     ``(dq, dk [B, T, HV, K]`` (in q's dtype without GVA, else float32 for the
@@ -654,7 +659,14 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
       _backward_kernel, grid=grid, inputs=inputs, outputs=outputs,
       launch=launch, interpret=interpret, scale=scale, dot=dot,
       whole_chunk=whole_chunk, **kw)
-  done = run(True, inputs, name="deltajax_intra_backward")
+  if done is None:
+    done = run(True, inputs, name="deltajax_intra_backward")
+  else:  # db's blocks of key channels summed into this pass's wider ones
+    *done, db = done
+    if width % (d // db.shape[0]):
+      raise ValueError(f"done: db's blocks of {d // db.shape[0]} key "
+                       f"channels do not tile this pass's of {width}")
+    done.append(jnp.sum(db.reshape(d // width, -1, *db.shape[1:]), axis=1))
   # The chunks whose gate is not gentle, written into the first pass's
   # outputs.
   names = [n[:-len("_ref")] for n in outputs]

@@ -248,12 +248,13 @@ def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 def backward(scale, chunk_size, config, residuals, cotangents,
              w_u=ut.w_u, output_backward=output.output_backward,
-             backward_scan=state.backward_scan, ut_backward=ut.ut_backward):
+             backward_scan=state.backward_scan, ut_backward=ut.ut_backward,
+             intra_backward=intra.backward):
   """The VJP from :func:`_fwd`'s residuals (also ``impl="mosaic"``'s
   backward, on the residuals its forward saves in this layout, with its own
   kernels in place of :func:`ut.w_u`, :func:`output.output_backward`,
   :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
-  signatures)."""
+  signatures, and per channel :func:`intra.backward`)."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
    (t, states, delta, p)) = residuals
   d_o, d_final = cotangents
@@ -292,7 +293,7 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   dkr = None
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
-    dq, dk, da, db_scores, *dkr = intra.backward(
+    dq, dk, da, db_scores, *dkr = intra_backward(
         q=qp, k=kp, g=g, b=beta, cuts=cuts, states=states, d_o=d_o,
         delta=delta, d_m=d_m, dk=dk, dg=da, kr=krp, dkr=dkr[0] if dkr else None,
         a=common.pad_axis(a, 3, kp.shape[-1]), scale=scale,

@@ -1,0 +1,180 @@
+"""The backward through a per-channel gate's intra-chunk scores, in Mosaic GPU.
+
+The whole-chunk pass of :func:`deltajax.pallas.intra.backward` (KDA, g
+``[C, K]`` per chunk): for the output's causal ``P = scale Gamma * Q K^T``
+and the UT system's strictly lower ``A = Gamma * K K^T`` (``Gamma_ijk =
+e^{g_ik - g_jk}``), with ``dP = dO Delta^T`` and ``dA = diag(b) dM`` (dM
+from the backward through the UT transform)::
+
+  dq = scale e^g * (dO S^T) + scale (dP (K e^{r - g})) e^{g - r}
+  u  = (dM (K e^{r - g})) e^{g - r}
+  dy = (dP^T (scale Q e^{g - r}) + dM^T (diag(b) K e^{g - r})) e^{r - g}
+  dk = dk_in + diag(b) u + dy,  db = rowsum(K * u)
+  da = reverse cumsum over the chunk of (dg_in + Q * dq + K * (diag(b) u
+       - dy)), 0 where a is below the floor
+
+through one reference gate per channel, the midpoint ``r`` of the chunk's
+range (the seed's secondary chunking): on a chunk whose gate falls by at most
+:data:`deltajax.pallas.intra.SPAN` (every channel) each factor is at most
+``e^{SPAN / 2}``. This kernel runs on every chunk; the Pallas pass by blocks
+(``intra.backward(..., done=...)``) then rewrites the chunks whose gate falls
+further, where these factors may overflow.
+
+One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
+brings q, k (head ``j // G``), the gate's tile and its first and last rows,
+a's first row, beta, the entry state's rows of these channels, dO, Delta,
+dM, dk_in and dg_in; every product has 16-bit operands (dP, dM and the
+decayed operands rounded to them, as the Pallas kernel rounds them to TF32)
+and float32 accumulation; the reverse cumulative sum is one product with an
+upper triangle of ones, of dg's two 16-bit halves. 184 KB of shared memory
+at V = 128 (200 KB with grouped value heads' float32 dq and dk).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax import common
+from deltajax.mosaic import compat
+from deltajax.mosaic import ut
+from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.ut import C
+
+KB = 64  # key channels per CTA
+_INPUTS = 11  # TMA copies before the first product (dk_in, dg_in: later)
+
+
+def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
+          dm_ref, dkin_ref, dgin_ref, dq_ref, dk_ref, da_ref, db_ref, q_s, k_s,
+          g_s, s_s, do_s, delta_s, dm32_s, dkin_s, dgin_s, kd_s, qu_s, bku_s,
+          dp_s, dm_s, dq_s, dk_s, g_first, g_last, a_first, b_s, db_s, bar,
+          late_bar, *, groups, scale):
+  bi, n = lax.axis_index("b"), lax.axis_index("n")
+  blocks = q_ref.shape[3] // KB
+  h, m = lax.div(lax.axis_index("h"), blocks), lax.rem(lax.axis_index("h"),
+                                                       blocks)
+  tokens, channels, hk = pl.ds(n * C, C), pl.ds(m * KB, KB), lax.div(h, groups)
+  compat.copy_in(((q_ref.at[bi, tokens, hk, channels], q_s),
+                  (k_ref.at[bi, tokens, hk, channels], k_s),
+                  (g_ref.at[bi, h, tokens, channels], g_s),
+                  (g_ref.at[bi, h, n * C, channels], g_first),
+                  (g_ref.at[bi, h, n * C + C - 1, channels], g_last),
+                  (a_ref.at[bi, n * C, h, channels], a_first),
+                  (b_ref.at[bi, h, tokens], b_s),
+                  (s_ref.at[bi, h, n, channels], s_s),
+                  (do_ref.at[bi, tokens, h], do_s),
+                  (delta_ref.at[bi, tokens, h], delta_s),
+                  (dm_ref.at[bi, h, tokens], dm32_s)), bar)
+  compat.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
+                  (dgin_ref.at[bi, h, tokens, channels], dgin_s)), late_bar)
+  keys, square = (C, KB), (C, C)
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  plgpu.barrier_wait(bar)
+  d_p, read = mg.products([([(do_s, compat.T(delta_s))], square, None),
+                           ([(do_s, compat.T(s_s))], keys, None)])
+  dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
+  dm_s[...] = jnp.where(rows > cols, mg.load(dm32_s, WGMMA), 0.0).astype(
+      dm_s.dtype)
+  on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
+  r = on_keys((mg.load(g_first, COLS) + mg.load(g_last, COLS)) / 2)
+  beta = compat.rows(mg.load(b_s, ROWS), keys)
+  g = mg.load(g_s, WGMMA)
+  up = jnp.exp(g - r)
+  k = mg.load(k_s, WGMMA).astype(jnp.float32)
+  kd_s[...] = (k * jnp.exp(r - g)).astype(kd_s.dtype)
+  qu_s[...] = (scale * up * mg.load(q_s, WGMMA).astype(jnp.float32)).astype(
+      qu_s.dtype)
+  bku_s[...] = (beta * k * up).astype(bku_s.dtype)
+  plgpu.commit_smem()
+  dq, u, dy = mg.products([
+      ([(dp_s, kd_s)], keys, None),
+      ([(dm_s, kd_s)], keys, None),
+      ([(compat.T(dp_s), qu_s), (compat.T(dm_s), bku_s)], keys, None)])
+  g = mg.load(g_s, WGMMA)
+  up = jnp.exp(g - r)
+  dq = scale * (up * dq + jnp.exp(g) * read)
+  dq_s[...] = dq.astype(dq_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h, channels])
+  k = mg.load(k_s, WGMMA).astype(jnp.float32)
+  u = u * up
+  dy = dy * jnp.exp(r - g)
+  db_s[...] = jnp.sum(k * u, axis=1)
+  dk_a = beta * u
+  plgpu.barrier_wait(late_bar)
+  dk_s[...] = (mg.load(dkin_s, WGMMA).astype(jnp.float32) + dk_a + dy).astype(dk_s.dtype)
+  dg = (mg.load(dgin_s, WGMMA) + mg.load(q_s, WGMMA).astype(jnp.float32) * dq
+        + k * (dk_a - dy))
+  # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
+  # with the upper triangle of ones, of dg's two 16-bit halves (in the
+  # decayed operands' tiles, read).
+  qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h, channels])
+  plgpu.copy_smem_to_gmem(db_s, db_ref.at[m, bi, h, tokens])
+  upper = jnp.where(cols >= rows, 1.0, 0.0).astype(qu_s.dtype)
+  (da,) = mg.products([([(upper, qu_s), (upper, bku_s)], keys, None)])
+  # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
+  # tokens' a are above it where the gate falls gently).
+  floored = on_keys(mg.load(a_first, COLS)) <= common.LOG_DECAY_FLOOR
+  dgin_s[...] = jnp.where((mg.iota(keys, 0) == 0) & floored, 0.0, da)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(dgin_s, da_ref.at[bi, tokens, h, channels])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
+  """The scores' and the output's VJP of every chunk through its gate's
+  midpoint (valid where the gate falls gently), added to the other
+  kernels' shares.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]``; d_o, delta: ``[B, T, HV, V]``; states: ``[B, HV,
+      T / C, K, V]``: one 16-bit dtype, K and V in {64, 128}, T a multiple
+      of 64.
+    g: ``[B, HV, T, K]`` float32 chunk-local cumulative gate; b: ``[B, HV,
+      T]`` beta; a: ``[B, T, HV, K]`` the log gate (its floor).
+    d_m: ``[B, HV, T, C]`` the cotangent of ``M = diag(b) A``; dk: ``[B, T,
+      HV, K]``; dg: g's shape: the other kernels' shares (float32).
+    scale: Python float multiplying q.
+
+  Returns:
+    ``(dq, dk, da, db)`` as the whole-chunk pass of
+    :func:`deltajax.pallas.intra.backward` leaves them: dq, dk ``[B, T, HV,
+    K]`` in q's dtype (float32 with grouped value heads), da ``[B, T, HV,
+    K]`` float32, db ``[K / 64, B, HV, T]`` float32 by blocks of key
+    channels.
+  """
+  bsz, t_len, h, d = q.shape
+  heads, dv = d_o.shape[2:]
+  dtype, f32 = q.dtype, jnp.float32
+  out_dtype = dtype if heads == h else f32
+  per_head = (bsz, t_len, heads, d)
+  out_type = [jax.ShapeDtypeStruct(per_head, out_dtype),
+              jax.ShapeDtypeStruct(per_head, out_dtype),
+              jax.ShapeDtypeStruct(per_head, f32),
+              jax.ShapeDtypeStruct((d // KB, bsz, heads, t_len), f32)]
+  keys, square = (C, KB), (C, C)
+  vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
+  values = compat.smem((C, dv), dtype)
+  scratch = [compat.smem(keys, dtype), compat.smem(keys, dtype),
+             compat.smem(keys, f32), compat.smem((KB, dv), dtype), values,
+             values, compat.smem(square, d_m.dtype),
+             compat.smem(keys, dk.dtype), compat.smem(keys, f32),
+             *(compat.smem(keys, dtype) for _ in range(3)),
+             compat.smem(square, dtype), compat.smem(square, dtype),
+             compat.smem(keys, out_dtype), compat.smem(keys, out_dtype),
+             key_vec, key_vec, key_vec, vec, vec,
+             plgpu.Barrier(num_arrivals=_INPUTS),
+             plgpu.Barrier(num_arrivals=2)]
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
+  return mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, t_len // C, heads * (d // KB)), grid_names=("b", "n", "h"),
+      kernel_name="deltajax_mosaic_intra_backward",
+      )(q, k, g, b, a, states, d_o, delta, d_m, dk, dg)
