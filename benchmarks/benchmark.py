@@ -116,10 +116,11 @@ def time_jax(attention, inputs, reps):
           memory.temp_size_in_bytes / 2 ** 20)
 
 
-# Options of mosaic.gated_delta_mosaic by name, for the per-head gate (T a
+# Options of mosaic.gated_delta_mosaic by name (T a
 # multiple of 64, K, V <= 128): the defaults' alternatives, timed side by side.
 MOSAIC_VARIANTS = {
     "mosaic:inv=mosaic": dict(inverse="mosaic"),
+    "mosaic:scores=pallas": dict(scores="pallas"),
     "mosaic:bwd=pallas": dict(backward=()),
     "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
     "mosaic:bwd=pallas_intra": dict(backward=tuple(

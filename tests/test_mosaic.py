@@ -430,6 +430,38 @@ def _intra_inputs(seed, heads, value_heads, dk, dv, length=192):
       dg=f32(normal(1, value_heads, length, dk)))
 
 
+@pytest.mark.parametrize("heads,value_heads,dk", [(1, 1, 64), (1, 2, 128)])
+def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk):
+  """The forward's first pass of the scores through the Mosaic GPU kernel
+  (every chunk through its midpoint gate; the Pallas second pass after it
+  where the gate falls steeply) against the Pallas passes in float64 on
+  the same 16-bit q and k: A, P, the decayed operands, and g at the
+  chunks' ends to float32 accuracy (a's three 16-bit parts sum to it), with
+  grouped value heads in one case, a below the floor at a gentle chunk's
+  first token and a chunk that is not gentle."""
+  x = _intra_inputs(dk + value_heads, heads, value_heads, dk, 64)
+  config = pallas.core.KernelConfig(interpret=True)
+  shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
+                launch=config.launch("intra", per_channel=True), scale=0.3,
+                heads=value_heads, from_start=(x["q"], x["k"]),
+                to_end=(x["k"],))
+  got = pallas.intra.forward(
+      q=x["q"], k=x["k"], a=x["a"], **shared,
+      done=intra.forward(compat.Mosaic(interpret=True), x["q"], x["k"],
+                         x["a"], heads=value_heads, scale=0.3))
+  with jax.enable_x64(True):
+    wide = lambda y: jnp.asarray(y, jnp.float64)
+    want = pallas.intra.forward(q=wide(x["q"]), k=wide(x["k"]),
+                                a=wide(x["a"]), **shared)
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  for name, y, ref in zip(("A", "P", "g_end", "Q e^g", "K e^g",
+                           "K e^{g_C - g}"), got, want):
+    assert y.shape == ref.shape, name
+    err = utils.relative_rms_error(np.asarray(y, np.float64),
+                                   np.asarray(ref, np.float64))
+    assert err < (1e-6 if name == "g_end" else 5e-3), (name, err)
+
+
 @pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
                                                      (1, 2, 128, 64)])
 def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv):
@@ -697,6 +729,10 @@ def test_kernels_lower_for_the_gpu(schedule):
           vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, 128),
           shape(1, 2, 2, dk, 128), shape(1, 128, 2, 128),
           shape(1, 128, 2, 128)))
+        for dk in ((64, 128) if schedule == "one" else ())),
+      # The scores' first pass per channel ("one"): a, q, k.
+      *((lambda a, q, k: intra.forward(mg, q, k, a, heads=2, scale=0.1),
+         (f32(1, 128, 2, dk), shape(1, 128, 1, dk), shape(1, 128, 1, dk)))
         for dk in ((64, 128) if schedule == "one" else ())),
       # The scores' backward per channel ("one"): q, k, g, b, a, S, dO,
       # Delta, dM, dk_in, dg_in.

@@ -178,3 +178,95 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
       grid=(bsz, t_len // C, heads * (d // KB)), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_intra_backward",
       )(q, k, g, b, a, states, d_o, delta, d_m, dk, dg)
+
+
+def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
+                  kg_ref, kend_ref, a_s, q_s, k_s, hi_s, mid_s, lo_s, qg_s,
+                  kg_s, kend_s, kk_s, p_s, bar, *, groups, scale):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
+  compat.copy_in(((a_ref.at[bi, tokens, h], a_s),
+                  (q_ref.at[bi, tokens, hk], q_s),
+                  (k_ref.at[bi, tokens, hk], k_s)), bar)
+  keys, square = (C, a_s.shape[1]), (C, C)
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  dtype = q_s.dtype
+  plgpu.barrier_wait(bar)
+  # a (floored) in three 16-bit parts, which sum to it exactly: sums over
+  # tokens as products with float32 accumulation.
+  a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
+  hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
+  mid_s[...], lo_s[...] = ut.halves(rest, dtype)
+  plgpu.commit_smem()
+  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
+  # g = cumsum(a) over the chunk; g_end in every row.
+  g, g_end = mg.products([(parts(jnp.where(cols <= rows, 1.0, 0.0)), keys,
+                           None),
+                          (parts(jnp.where(cols < C, 1.0, 0.0)), keys,
+                           None)])
+  q = mg.load(q_s, WGMMA).astype(jnp.float32)
+  k = mg.load(k_s, WGMMA).astype(jnp.float32)
+  from_start = jnp.exp(g)
+  qg_s[...] = (q * from_start).astype(dtype)
+  kg_s[...] = (k * from_start).astype(dtype)
+  kend_s[...] = (k * jnp.exp(g_end - g)).astype(dtype)
+  a_s[...] = g
+  plgpu.commit_smem()
+  for src, dst in ((a_s, g_ref.at[bi, h, tokens]),
+                   (qg_s, qg_ref.at[bi, tokens, h]),
+                   (kg_s, kg_ref.at[bi, tokens, h]),
+                   (kend_s, kend_ref.at[bi, tokens, h])):
+    plgpu.copy_smem_to_gmem(src, dst)
+  # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
+  (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys, None)])
+  up, down = jnp.exp(g - r), jnp.exp(r - g)
+  hi_s[...] = (q * up).astype(dtype)
+  mid_s[...] = (k * up).astype(dtype)
+  lo_s[...] = (k * down).astype(dtype)
+  plgpu.commit_smem()
+  qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, None),
+                        ([(mid_s, compat.T(lo_s))], square, None)])
+  p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
+  kk_s[...] = jnp.where(rows > cols, kk, 0.0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, h, tokens])
+  plgpu.copy_smem_to_gmem(kk_s, kk_ref.at[bi, h, tokens])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def forward(mg, q, k, a, *, heads, scale):
+  """The forward's first pass over every chunk: the cumulative gate, the
+  operands decayed by it, and the scores through its midpoint (valid where
+  the gate falls gently).
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]`` one 16-bit dtype, K 64 or 128, T a multiple of
+      64; a: ``[B, T, HV, K]`` float32 log gate; heads: HV.
+    scale: Python float multiplying q.
+
+  Returns:
+    ``(g, A, P, (Q e^g, K e^g), (K e^{g_C - g},))`` as
+    :func:`deltajax.pallas.intra.forward` takes them (``done``): g ``[B,
+    HV, T, K]`` (a floored at :data:`common.LOG_DECAY_FLOOR`), ``A = Gamma *
+    K K^T`` (strictly lower) and ``P = scale Gamma * Q K^T`` (causal),
+    ``[B, HV, T, C]`` float32, the decayed operands ``[B, T, HV, K]`` in
+    q's dtype.
+  """
+  bsz, t_len, h, d = q.shape
+  dtype, f32 = q.dtype, jnp.float32
+  decayed = jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
+  square = jax.ShapeDtypeStruct((bsz, heads, t_len, C), f32)
+  out_type = [jax.ShapeDtypeStruct((bsz, heads, t_len, d), f32), square,
+              square, decayed, decayed, decayed]
+  keys = compat.smem((C, d), dtype)
+  scratch = [compat.smem((C, d), f32), keys, keys, keys, keys, keys, keys,
+             keys, keys, compat.smem((C, C), f32), compat.smem((C, C), f32),
+             plgpu.Barrier(num_arrivals=3)]
+  body = lambda *refs: _forward_body(mg, *refs, groups=heads // h,
+                                     scale=scale)
+  g, kk, p, qg, kg, kend = mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
+      kernel_name="deltajax_mosaic_intra_forward")(a, q, k)
+  return g, kk, p, (qg, kg), (kend,)

@@ -197,11 +197,12 @@ BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
 _PER_CHANNEL = ("reverse", "ut", "intra")
 INVERSES = ("pallas", "mosaic")
+SCORES = ("mosaic", "pallas")
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
-                       inverse="pallas", backward=None,
+                       inverse="pallas", scores="mosaic", backward=None,
                        narrow_dk=None, fused_reverse=None, pieces=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
@@ -227,6 +228,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
       the H200, RESULTS run L) or :func:`ut.inverse`.
+    scores: per channel, which kernel forms the gate, the decayed operands
+      and the scores of the chunks whose gate falls gently (:data:`SCORES`):
+      :func:`intra.forward` (the default) or the Pallas first pass of
+      :func:`deltajax.pallas.intra.forward`; the Pallas second pass forms
+      the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
@@ -287,6 +293,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{scan.SCHEDULES}")
   if inverse not in INVERSES:
     raise ValueError(f"inverse: {inverse!r} is not one of {INVERSES}")
+  if scores not in SCORES:
+    raise ValueError(f"scores: {scores!r} is not one of {SCORES}")
   if a.shape[-1] > 1 and (schedule, inverse) != ("one", "pallas"):
     raise ValueError(f"impl='mosaic' with a per-channel gate runs schedule "
                      f"'one' and the Pallas inverse; got {schedule!r}, "
@@ -315,7 +323,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if not isinstance(pieces, int) or pieces < 1 or n_chunks % pieces:
     raise ValueError(f"pieces must be a positive int dividing the "
                      f"{n_chunks} chunks; got {pieces!r}")
-  o, final = _mosaic(float(scale), (schedule, inverse, pieces),
+  o, final = _mosaic(float(scale), (schedule, inverse, pieces, scores),
                      (tuple(backward), narrow_dk, fused_reverse),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
@@ -385,14 +393,19 @@ def _inverse(mg, kind, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _per_channel_inputs(scale, q, k, a, b):
-  """The per-channel scan's inputs from the Pallas kernels
-  (:func:`deltajax.pallas.ops.before_scan`): ``(Q e^g, K e^g, g at each
-  chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P))``, P ``[B,
-  HV, T, C]`` float32 with the scale."""
+def _per_channel_inputs(mg, scale, q, k, a, b, *, scores):
+  """The per-channel scan's inputs from
+  :func:`deltajax.pallas.ops.before_scan` (its first pass of the scores
+  :func:`intra.forward` where ``scores`` is "mosaic"): ``(Q e^g, K e^g, g
+  at each chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P))``, P
+  ``[B, HV, T, C]`` float32 with the scale."""
+  first_pass = None
+  if scores == "mosaic":
+    first_pass = lambda q, k, a: intra.forward(mg, q, k, a, heads=a.shape[2],
+                                               scale=scale)
   g_end, beta, _, (qg, kg, kd), t, p = pallas_ops.before_scan(
       scale, CHUNK, pallas_core.KernelConfig().resolve(), q, k, None, a, b,
-      None, heads=a.shape[2], dtype=jnp.float32)
+      None, heads=a.shape[2], dtype=jnp.float32, first_pass=first_pass)
   return qg, kg, g_end, beta, t, (kd, p)
 
 
@@ -416,14 +429,15 @@ def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
 
 
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
-  schedule, inverse, pieces = plan
+  schedule, inverse, pieces, scores = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
   vp = common.pad_axis(v, 3, _width(n_v))
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
   if a.shape[-1] > 1:
-    q, k, g, beta, t, channel = _per_channel_inputs(scale, q, k, a, b)
+    q, k, g, beta, t, channel = _per_channel_inputs(
+        mg, scale, q, k, a, b, scores=scores)
   else:
     g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                      q.shape[-1], mg.interpret)
@@ -454,7 +468,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse, its pieces) and ``backward`` (its Mosaic kernels, narrow_dk,
+  inverse, its pieces, the scores' kernel) and ``backward`` (its Mosaic kernels, narrow_dk,
   fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,

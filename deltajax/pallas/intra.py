@@ -530,7 +530,7 @@ def _chunk_rows(chunk_size, groups, width):
 
 
 def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
-            dot, kr=None, from_start=(), to_end=()):
+            dot, kr=None, from_start=(), to_end=(), done=None):
   """The chunk-local gate and the intra-chunk scores of every chunk, with
   the operands decayed by the gate (:func:`chunk_gates`' work, fused: g is
   never written whole).
@@ -541,7 +541,11 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     cumulative cut count, or None; heads: HV; launch.block_k: key channels
     per inner product; kr: None, or ``[B, T, HV, K]``: the keys on A's row
     side (Gated DeltaNet-2's erased keys ``b * k``); from_start, to_end: as
-    :func:`chunk_gates` takes them.
+    :func:`chunk_gates` takes them; done: None, or the first pass's
+    ``(g, kk, p, starts, ends)`` formed elsewhere for every chunk
+    (:func:`deltajax.mosaic.intra.forward`: g whole, the scores through
+    the midpoint gate): the second pass then rewrites the scores of the
+    chunks whose gate is not gentle.
 
   Returns:
     ``(a, p, g_end, starts, ends)``: ``[B, HV, T, C]`` float32 (float64 for
@@ -576,9 +580,14 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
                           rows, inputs, outputs)
   run = functools.partial(core.call, launch=launch, interpret=interpret,
                           scale=scale, dot=dot, block_k=launch.block_k or dk)
-  g, g_end, kk, p, *decayed = run(
-      _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
-      outputs=outputs, name="deltajax_intra", as_tuple=True, counts=counts)
+  if done is None:
+    g, g_end, kk, p, *decayed = run(
+        _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
+        outputs=outputs, name="deltajax_intra", as_tuple=True,
+        counts=counts)
+  else:
+    g, kk, p, *decayed = done
+    g_end, decayed = g[:, :, c - 1::c], (*decayed[0], *decayed[1])
   # The chunks whose gate is not gentle, written into the first pass's
   # outputs.
   kk, p = run(

@@ -206,11 +206,12 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
-                dtype):
+                dtype, first_pass=None):
   """The forward's parallel steps before the state scan, on q, k (and the
   read keys kr) padded as :func:`_padded` pads them: the gates
   (:func:`gates`; per channel with the intra-chunk scores,
-  :func:`intra.forward`), and T (:func:`ut.inverse`).
+  :func:`intra.forward`, whose first pass may be ``first_pass(q, k, a)``:
+  its ``done``), and T (:func:`ut.inverse`).
 
   Returns:
     ``(g, beta, cuts, decayed, t, p)``: :func:`gates`' first three, but per
@@ -230,10 +231,12 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
         k=k, g=g, b=beta, cuts=cuts, a=None, heads=heads,
         launch=launch("inverse"), **shared), None
   a, beta, cuts = _gate_inputs(a, b, cut, chunk_size, dtype)
+  a = common.pad_axis(a, 3, k.shape[-1])
   a_kk, p, g_end, starts, ends = intra.forward(
-      q=q, k=k, kr=kr, a=common.pad_axis(a, 3, k.shape[-1]), cuts=cuts,
-      heads=heads, scale=scale, from_start=(q, k if kr is None else kr),
-      to_end=(k,), launch=launch("intra"), **shared)
+      q=q, k=k, kr=kr, a=a, cuts=cuts, heads=heads, scale=scale,
+      from_start=(q, k if kr is None else kr), to_end=(k,),
+      launch=launch("intra"),
+      done=None if first_pass is None else first_pass(q, k, a), **shared)
   t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                  launch=launch("inverse"), **shared)
   return g_end, beta, cuts, starts + ends, t, p
