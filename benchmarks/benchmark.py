@@ -120,7 +120,7 @@ def time_jax(attention, inputs, reps):
 # multiple of 64, K, V <= 128): the defaults' alternatives, timed side by side.
 MOSAIC_VARIANTS = {
     "mosaic:inv=mosaic": dict(inverse="mosaic"),
-    "mosaic:scores=pallas": dict(scores="pallas"),
+    "mosaic:scores=mosaic": dict(scores="mosaic"),
     "mosaic:bwd=pallas": dict(backward=()),
     "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
     "mosaic:bwd=pallas_intra": dict(backward=tuple(

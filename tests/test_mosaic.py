@@ -462,6 +462,23 @@ def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk):
     assert err < (1e-6 if name == "g_end" else 5e-3), (name, err)
 
 
+def test_mosaic_scores_in_the_forward():
+  """KDA with ``scores="mosaic"`` (the first pass of the scores in Mosaic
+  GPU) gives the Pallas pass's outputs and gradients up to 16-bit
+  rounding: two chunks, K = V = 64, fla-like gates."""
+  x = utils.random_inputs(11, batch=1, length=128, heads=1, key_dim=64,
+                          value_dim=64, per_channel=True, state_scale=0.1)
+  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
+          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  d_o, d_s = utils.random_cotangents(12, x)
+  cts = (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32))
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, scores=scores))
+            for scores in ops.SCORES]
+  for i, (want, got) in enumerate(zip(*leaves)):
+    got, want = (np.asarray(t, np.float64) for t in (got, want))
+    assert utils.relative_rms_error(got, want) < 5e-3, i
+
+
 @pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
                                                      (1, 2, 128, 64)])
 def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv):

@@ -197,12 +197,12 @@ BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
 _PER_CHANNEL = ("reverse", "ut", "intra")
 INVERSES = ("pallas", "mosaic")
-SCORES = ("mosaic", "pallas")
+SCORES = ("pallas", "mosaic")
 
 
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
-                       inverse="pallas", scores="mosaic", backward=None,
+                       inverse="pallas", scores="pallas", backward=None,
                        narrow_dk=None, fused_reverse=None, pieces=None):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
@@ -230,9 +230,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the H200, RESULTS run L) or :func:`ut.inverse`.
     scores: per channel, which kernel forms the gate, the decayed operands
       and the scores of the chunks whose gate falls gently (:data:`SCORES`):
-      :func:`intra.forward` (the default) or the Pallas first pass of
-      :func:`deltajax.pallas.intra.forward`; the Pallas second pass forms
-      the others' scores.
+      the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the
+      default) or :func:`intra.forward` (slower on the H200 as first
+      written: 1.944 against 0.623 ms forward at (4, 4096, 16, 128), 255
+      registers and spilling; 0.439 against 0.376 at K = 64; RESULTS run
+      W); the Pallas second pass forms the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
@@ -468,8 +470,8 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse, its pieces, the scores' kernel) and ``backward`` (its Mosaic kernels, narrow_dk,
-  fused_reverse) are static."""
+  inverse, its pieces, the scores' kernel) and ``backward`` (its Mosaic
+  kernels, narrow_dk, fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
