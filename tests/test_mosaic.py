@@ -479,6 +479,34 @@ def test_mosaic_scores_in_the_forward():
     assert utils.relative_rms_error(got, want) < 5e-3, i
 
 
+@pytest.mark.parametrize("scores", ops.SCORES)
+def test_kept_gates(scores):
+  """KDA's backward on the forward's g and decayed operands
+  (``keep_gates``) gives the gradients of the backward that forms them
+  again: to float32 rounding after the Pallas first pass, which writes g
+  for every chunk then, and up to 16-bit rounding after the Mosaic one
+  (its decayed operands' roundings differ); two value heads on one, K = 64,
+  V = 32 (the Pallas backward's padded widths), a gate that is not gentle
+  in the second chunk."""
+  x = utils.random_inputs(13, batch=1, length=128, heads=1, value_heads=2,
+                          key_dim=64, value_dim=32, per_channel=True,
+                          state_scale=0.1)
+  a = 0.1 * x.a  # gentle, but for the second chunk's first channels
+  a[:, 64 + 5, :, :16] = -60.0
+  x = x._replace(a=a)
+  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
+          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  d_o, d_s = utils.random_cotangents(14, x)
+  cts = (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32))
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, scores=scores,
+                                        keep_gates=keep))
+            for keep in (False, True)]
+  for i, (want, got) in enumerate(zip(*leaves)):
+    got, want = (np.asarray(t, np.float64) for t in (got, want))
+    err = utils.relative_rms_error(got, want)
+    assert err < (1e-6 if scores == "pallas" else 5e-3), (i, err)
+
+
 @pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
                                                      (1, 2, 128, 64)])
 def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv):

@@ -203,7 +203,8 @@ SCORES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", scores="pallas", backward=None,
-                       narrow_dk=None, fused_reverse=None, pieces=None):
+                       narrow_dk=None, fused_reverse=None, pieces=None,
+                       keep_gates=False):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -268,6 +269,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       :func:`_default_pieces` (at (1, 65536, 16, 128) on the H200, 4:
       1.462 / 4.767 ms forward / forward+backward against 2.409 / 6.796
       for one piece, RESULTS run U).
+    keep_gates: per channel, the forward under differentiation keeps g
+      ``[B, HV, T, K]`` (the Pallas first pass writes it for every chunk)
+      and the decayed ``Q e^g``, ``K e^{g_C - g}`` that its scan read, and
+      the backward takes them instead of forming them again
+      (:func:`deltajax.pallas.intra.chunk_gates`, 163 us of the step at (4,
+      4096, 16, 128) in RESULTS run W), for more temporaries (g in float32,
+      the two in 16 bits). Off by default: not yet timed.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
@@ -325,7 +333,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if not isinstance(pieces, int) or pieces < 1 or n_chunks % pieces:
     raise ValueError(f"pieces must be a positive int dividing the "
                      f"{n_chunks} chunks; got {pieces!r}")
-  o, final = _mosaic(float(scale), (schedule, inverse, pieces, scores),
+  o, final = _mosaic(float(scale),
+                     (schedule, inverse, pieces, scores, keep_gates),
                      (tuple(backward), narrow_dk, fused_reverse),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
@@ -395,20 +404,22 @@ def _inverse(mg, kind, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _per_channel_inputs(mg, scale, q, k, a, b, *, scores):
+def _per_channel_inputs(mg, scale, q, k, a, b, *, scores, keep_g):
   """The per-channel scan's inputs from
   :func:`deltajax.pallas.ops.before_scan` (its first pass of the scores
   :func:`intra.forward` where ``scores`` is "mosaic"): ``(Q e^g, K e^g, g
-  at each chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P))``, P
-  ``[B, HV, T, C]`` float32 with the scale."""
+  at each chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P),
+  g_whole)``, P ``[B, HV, T, C]`` float32 with the scale; g_whole: with
+  ``keep_g``, g ``[B, HV, T, K]``, else None."""
   first_pass = None
   if scores == "mosaic":
     first_pass = lambda q, k, a: intra.forward(mg, q, k, a, heads=a.shape[2],
                                                scale=scale)
-  g_end, beta, _, (qg, kg, kd), t, p = pallas_ops.before_scan(
+  g_end, beta, _, (qg, kg, kd), t, p, g = pallas_ops.before_scan(
       scale, CHUNK, pallas_core.KernelConfig().resolve(), q, k, None, a, b,
-      None, heads=a.shape[2], dtype=jnp.float32, first_pass=first_pass)
-  return qg, kg, g_end, beta, t, (kd, p)
+      None, heads=a.shape[2], dtype=jnp.float32, first_pass=first_pass,
+      keep_g=keep_g)
+  return qg, kg, g_end, beta, t, (kd, p), g
 
 
 def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
@@ -431,15 +442,16 @@ def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
 
 
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
-  schedule, inverse, pieces, scores = plan
+  schedule, inverse, pieces, scores, keep_gates = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
   q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
   vp = common.pad_axis(v, 3, _width(n_v))
   s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
+  g_whole = None
   if a.shape[-1] > 1:
-    q, k, g, beta, t, channel = _per_channel_inputs(
-        mg, scale, q, k, a, b, scores=scores)
+    q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
+        mg, scale, q, k, a, b, scores=scores, keep_g=save and keep_gates)
   else:
     g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
                                      q.shape[-1], mg.interpret)
@@ -462,16 +474,19 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   states, delta = saved
   if maps is not None:  # those the backward's reverse pass reads
     maps = maps[1:, ..., :kp, :kp]
+  kept = None
+  if g_whole is not None:  # Q e^g and K e^{g_C - g} with g
+    kept = tuple(x[..., :kp] for x in (g_whole, q, channel[0]))
   return outputs, ((t, states[..., :kp, :vp], delta[..., :vp],
-                    None if channel is None else channel[1]), maps)
+                    None if channel is None else channel[1], kept), maps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
-  inverse, its pieces, the scores' kernel) and ``backward`` (its Mosaic
-  kernels, narrow_dk, fused_reverse) are static."""
+  inverse, its pieces, the scores' kernel, keep_gates) and ``backward`` (its
+  Mosaic kernels, narrow_dk, fused_reverse) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]

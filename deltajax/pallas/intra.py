@@ -278,11 +278,12 @@ def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref,
 
 def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
                             g_end_ref, kk_ref, p_ref, counts, scale, dot,
-                            block_k, **decayed):
+                            block_k, every_g, **decayed):
   """The forward's first pass over one chunk: its cumulative gate, the
   operands decayed by it (:func:`_store_decayed`), the gate at its end, and
   its scores where the gate is gentle (:func:`_forward_whole_chunk`); where
-  it is not, g (the second pass's input; written only there)."""
+  it is not, g (the second pass's input; written only there unless
+  ``every_g``)."""
   cuts = None if cuts_ref is None else cuts_ref[...]
   blocks = core.blocks(a_ref.shape[1], block_k)
   gates = [_cumulative_gate(a_ref, ks, g_ref.dtype) for ks in blocks]
@@ -294,7 +295,7 @@ def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
     g_end_ref[ks] = end
     _store_decayed(g, end, cuts, ks, counts, decayed)
 
-    @pl.when(~gentle)
+    @pl.when(~gentle | every_g)
     def _(ks=ks, g=g):
       g_ref[:, ks] = g
   pl.when(gentle)(lambda: _forward_whole_chunk(
@@ -530,10 +531,11 @@ def _chunk_rows(chunk_size, groups, width):
 
 
 def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
-            dot, kr=None, from_start=(), to_end=(), done=None):
+            dot, kr=None, from_start=(), to_end=(), done=None,
+            keep_g=False):
   """The chunk-local gate and the intra-chunk scores of every chunk, with
   the operands decayed by the gate (:func:`chunk_gates`' work, fused: g is
-  never written whole).
+  written whole only with ``keep_g``, or ``done``).
 
   Args:
     q, k: ``[B, T, H, K]``; a: ``[B, T, HV, K]`` per-channel log gate (as
@@ -545,15 +547,17 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     ``(g, kk, p, starts, ends)`` formed elsewhere for every chunk
     (:func:`deltajax.mosaic.intra.forward`: g whole, the scores through
     the midpoint gate): the second pass then rewrites the scores of the
-    chunks whose gate is not gentle.
+    chunks whose gate is not gentle; keep_g: g written for every chunk (for
+    the backward), not only where the second pass reads it.
 
   Returns:
-    ``(a, p, g_end, starts, ends)``: ``[B, HV, T, C]`` float32 (float64 for
+    ``(a, p, g_end, starts, ends, g)``: ``[B, HV, T, C]`` float32 (float64 for
     float64 inputs), each chunk's ``A = Gamma * Kr K^T`` (strictly lower;
     ``Kr = K`` without kr) and ``P = scale Gamma * Q K^T`` (causal) at its
     rows, 0 across a cut; ``g_end [B, HV, T / C, K]``, the cumulative gate
     at each chunk's end; ``starts``, ``ends``: as :func:`chunk_gates`
-    returns them.
+    returns them; ``g [B, HV, T, K]``, the cumulative gate (at every chunk
+    with ``keep_g`` or ``done``, else only where the gate is not gentle).
   """
   bsz, t_len, h, dk = k.shape
   c, n = chunk_size, t_len // chunk_size
@@ -584,7 +588,7 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     g, g_end, kk, p, *decayed = run(
         _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
         outputs=outputs, name="deltajax_intra", as_tuple=True,
-        counts=counts)
+        counts=counts, every_g=keep_g)
   else:
     g, kk, p, *decayed = done
     g_end, decayed = g[:, :, c - 1::c], (*decayed[0], *decayed[1])
@@ -601,7 +605,7 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
       aliases=dict(kk_done_ref="kk_ref", p_done_ref="p_ref"),
       name="deltajax_intra_blocks")
   starts = tuple(decayed[:len(from_start)])
-  return kk, p, g_end, starts, tuple(decayed[len(from_start):])
+  return kk, p, g_end, starts, tuple(decayed[len(from_start):]), g
 
 
 def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,

@@ -185,7 +185,7 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
-  g, beta, cuts, decayed, t, p = before_scan(
+  g, beta, cuts, decayed, t, p, _ = before_scan(
       scale, chunk_size, config, qp, kp, _pad_keys(kr, kp), a, b, cut,
       heads=v.shape[2], dtype=acc)
   qg, *keys = decayed or (None,)
@@ -202,11 +202,11 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
   if chunk_seq is not None:
     final = jnp.where(_unvisited(chunk_seq, final.shape[0]), initial_state,
                       final)
-  return (o[..., :v.shape[-1]], final), (t, states, delta, p)
+  return (o[..., :v.shape[-1]], final), (t, states, delta, p, None)
 
 
 def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
-                dtype, first_pass=None):
+                dtype, first_pass=None, keep_g=False):
   """The forward's parallel steps before the state scan, on q, k (and the
   read keys kr) padded as :func:`_padded` pads them: the gates
   (:func:`gates`; per channel with the intra-chunk scores,
@@ -214,8 +214,10 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
   its ``done``), and T (:func:`ut.inverse`).
 
   Returns:
-    ``(g, beta, cuts, decayed, t, p)``: :func:`gates`' first three, but per
-    channel g only at each chunk's end, ``[B, HV, T / C, K]``; ``decayed``
+    ``(g, beta, cuts, decayed, t, p, g_whole)``: :func:`gates`' first three,
+    but per channel g only at each chunk's end, ``[B, HV, T / C, K]``
+    (``g_whole``: with ``keep_g``, per channel, the whole ``[B, HV, T,
+    K]``, for the backward; else None); ``decayed``
     (per channel, else None): ``Q e^g`` for the output, ``Kr e^g`` (the read
     keys, K without kr) and ``K e^{g_C - g}`` for the scan, ``[B, T, HV,
     K]``; T ``[B, HV, T, C]``; ``p`` (per channel, else None): ``P = scale
@@ -229,17 +231,17 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
                              config.interpret)
     return g, beta, cuts, None, ut.inverse(
         k=k, g=g, b=beta, cuts=cuts, a=None, heads=heads,
-        launch=launch("inverse"), **shared), None
+        launch=launch("inverse"), **shared), None, None
   a, beta, cuts = _gate_inputs(a, b, cut, chunk_size, dtype)
   a = common.pad_axis(a, 3, k.shape[-1])
-  a_kk, p, g_end, starts, ends = intra.forward(
+  a_kk, p, g_end, starts, ends, g = intra.forward(
       q=q, k=k, kr=kr, a=a, cuts=cuts, heads=heads, scale=scale,
       from_start=(q, k if kr is None else kr), to_end=(k,),
-      launch=launch("intra"),
+      launch=launch("intra"), keep_g=keep_g,
       done=None if first_pass is None else first_pass(q, k, a), **shared)
   t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                  launch=launch("inverse"), **shared)
-  return g_end, beta, cuts, starts + ends, t, p
+  return g_end, beta, cuts, starts + ends, t, p, g if keep_g else None
 
 
 def _fwd(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
@@ -257,19 +259,26 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   backward, on the residuals its forward saves in this layout, with its own
   kernels in place of :func:`ut.w_u`, :func:`output.output_backward`,
   :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
-  signatures, and per channel :func:`intra.backward`)."""
+  signatures, and per channel :func:`intra.backward`). The saved
+  residuals' last, ``kept``: None, or per channel the forward's ``(g, Q
+  e^g, K e^{g_C - g})``, which the backward then does not form again."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
-   (t, states, delta, p)) = residuals
+   (t, states, delta, p, kept)) = residuals
   d_o, d_final = cotangents
   acc = initial_state.dtype
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
   qp, kp, vp = _padded(q, k, v)
   krp = _pad_keys(kr, kp)
-  # Per channel: Q e^g and K e^{g_C - g} for the backward scan.
-  g, beta, cuts, decayed = gates(a, b, cut, chunk_size, acc, kp.shape[-1],
-                                 config.interpret, from_start=(qp,),
-                                 to_end=(kp,))
+  # Per channel: Q e^g and K e^{g_C - g} for the backward scan (``kept``:
+  # with g, as the forward formed them).
+  if kept is None:
+    g, beta, cuts, decayed = gates(a, b, cut, chunk_size, acc, kp.shape[-1],
+                                   config.interpret, from_start=(qp,),
+                                   to_end=(kp,))
+  else:
+    (g, *decayed), (_, beta, cuts) = kept, _gate_inputs(a, b, cut,
+                                                        chunk_size, acc)
   launch = functools.partial(config.launch, per_channel=g.ndim == 4)
   d_o = common.pad_axis(d_o.astype(vp.dtype), 3, vp.shape[-1])
   d_final_p = pad_state(d_final.astype(acc), kp.shape[-1], vp.shape[-1])
