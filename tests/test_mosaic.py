@@ -518,6 +518,25 @@ def test_intra_backward_has_no_races():
   assert not compat.races_found()
 
 
+def test_intra_forward_has_no_races_and_fits_twice():
+  """The race detector finds no race in the scores' first pass at K = 128
+  (the second block of key channels loaded into the first's tiles once
+  they are read; the interpreter copies at once, so the wait for the
+  copies out is not checked), and two CTAs fit on a multiprocessor (112
+  KB each, measured from the lowering for CUDA)."""
+  x = _intra_inputs(7, 1, 1, 128, 64)
+  mg = compat.Mosaic(interpret=True, detect_races=True)
+  jax.block_until_ready(intra.forward(mg, x["q"], x["k"], x["a"], heads=1,
+                                      scale=0.3))
+  assert not compat.races_found()
+  shape = lambda dtype: jax.ShapeDtypeStruct((1, 128, 1, 128), dtype)
+  size = compat.shared_memory_bytes(
+      lambda a, q, k: intra.forward(compat.Mosaic(interpret=False), q, k, a,
+                                    heads=1, scale=0.3),
+      shape(jnp.float32), shape(jnp.bfloat16), shape(jnp.bfloat16))
+  assert size <= 113 * 1024, size
+
+
 @pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
                                                      (1, 2, 128, 64)])
 def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv):

@@ -1,8 +1,10 @@
 """A per-channel gate's intra-chunk scores and their backward, in Mosaic GPU.
 
 :func:`forward`: the first pass of :func:`deltajax.pallas.intra.forward`
-(KDA, one CTA per (batch, chunk, value head), 192 KB of shared memory at K =
-128): ``g = cumsum(a)`` over the chunk (a floored, as products of its three
+(KDA, one CTA per (batch, chunk, value head), by blocks of 64 key channels
+through one set of tiles, the scores summed over them: 112 KB of shared
+memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
+``g = cumsum(a)`` over the chunk (a floored, as products of its three
 16-bit parts, which sum to it exactly, with triangles of ones), the decayed
 operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, and ``A = (K e^{g - r})
 (K e^{r - g})^T``, ``P = scale (Q e^{g - r}) (K e^{r - g})^T`` through the
@@ -252,52 +254,62 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                   kg_s, kend_s, kk_s, p_s, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  compat.copy_in(((a_ref.at[bi, tokens, h], a_s),
-                  (q_ref.at[bi, tokens, hk], q_s),
-                  (k_ref.at[bi, tokens, hk], k_s)), bar)
-  keys, square = (C, a_s.shape[1]), (C, C)
+  keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   dtype = q_s.dtype
-  plgpu.barrier_wait(bar)
-  # a (floored) in three 16-bit parts, which sum to it exactly: sums over
-  # tokens as products with float32 accumulation.
-  a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
-  hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
-  mid_s[...], lo_s[...] = ut.halves(rest, dtype)
-  plgpu.commit_smem()
-  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
-  # g = cumsum(a) over the chunk as g_end (in every row) less the sums
-  # after each token: a lower triangle of ones as the register operand gave
-  # wrong rows 8-15 of each 16 on the H200 (JAX 0.11.2), an upper one not.
-  later, g_end = mg.products([(parts(jnp.where(cols > rows, 1.0, 0.0)), keys,
-                               None),
-                              (parts(jnp.where(cols < C, 1.0, 0.0)), keys,
-                               None)])
-  g = g_end - later
-  # q and k read where used, g and g_end dead before the next product
-  # (fewer float32 tiles live at once: registers).
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
-  kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
-  from_start = jnp.exp(g)
-  qg_s[...] = (load(q_s) * from_start).astype(dtype)
-  kg_s[...] = (load(k_s) * from_start).astype(dtype)
-  a_s[...] = g
-  plgpu.commit_smem()
-  for src, dst in ((a_s, g_ref.at[bi, h, tokens]),
-                   (qg_s, qg_ref.at[bi, tokens, h]),
-                   (kg_s, kg_ref.at[bi, tokens, h]),
-                   (kend_s, kend_ref.at[bi, tokens, h])):
-    plgpu.copy_smem_to_gmem(src, dst)
-  # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
-  (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys, None)])
-  g = mg.load(a_s, WGMMA)
-  up = jnp.exp(g - r)
-  hi_s[...] = (load(q_s) * up).astype(dtype)
-  mid_s[...] = (load(k_s) * up).astype(dtype)
-  lo_s[...] = (load(k_s) * jnp.exp(r - g)).astype(dtype)
-  plgpu.commit_smem()
-  qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, None),
-                        ([(mid_s, compat.T(lo_s))], square, None)])
+  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
+
+  def load_block(j):
+    channels = pl.ds(j * KB, KB)
+    compat.copy_in(((a_ref.at[bi, tokens, h, channels], a_s),
+                    (q_ref.at[bi, tokens, hk, channels], q_s),
+                    (k_ref.at[bi, tokens, hk, channels], k_s)), bar)
+
+  load_block(0)
+  qk = kk = None
+  n_blocks = a_ref.shape[3] // KB
+  for j in range(n_blocks):  # the scores summed over blocks of channels
+    channels = pl.ds(j * KB, KB)
+    plgpu.barrier_wait(bar)
+    # a (floored) in three 16-bit parts, which sum to it exactly: sums over
+    # tokens as products with float32 accumulation.
+    a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
+    hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
+    mid_s[...], lo_s[...] = ut.halves(rest, dtype)
+    plgpu.commit_smem()
+    # g = cumsum(a) over the chunk as g_end (in every row) less the sums
+    # after each token: a lower triangle of ones as the register operand
+    # gave wrong rows 8-15 of each 16 on the H200 (JAX 0.11.2), an upper
+    # one not.
+    later, g_end = mg.products([
+        (parts(jnp.where(cols > rows, 1.0, 0.0)), keys, None),
+        (parts(jnp.where(cols < C, 1.0, 0.0)), keys, None)])
+    g = g_end - later
+    kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
+    from_start = jnp.exp(g)
+    qg_s[...] = (load(q_s) * from_start).astype(dtype)
+    kg_s[...] = (load(k_s) * from_start).astype(dtype)
+    a_s[...] = g
+    plgpu.commit_smem()
+    for src, dst in ((a_s, g_ref.at[bi, h, tokens, channels]),
+                     (qg_s, qg_ref.at[bi, tokens, h, channels]),
+                     (kg_s, kg_ref.at[bi, tokens, h, channels]),
+                     (kend_s, kend_ref.at[bi, tokens, h, channels])):
+      plgpu.copy_smem_to_gmem(src, dst)
+    # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
+    (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys,
+                         None)])
+    up = jnp.exp(g - r)
+    hi_s[...] = (load(q_s) * up).astype(dtype)
+    mid_s[...] = (load(k_s) * up).astype(dtype)
+    lo_s[...] = (load(k_s) * jnp.exp(r - g)).astype(dtype)
+    plgpu.commit_smem()
+    if j + 1 < n_blocks:  # this block's tiles are read, g's copy out too
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      load_block(j + 1)
+    qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, qk),
+                          ([(mid_s, compat.T(lo_s))], square, kk)])
   p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
   kk_s[...] = jnp.where(rows > cols, kk, 0.0)
   plgpu.commit_smem()
@@ -331,8 +343,8 @@ def forward(mg, q, k, a, *, heads, scale):
   square = jax.ShapeDtypeStruct((bsz, heads, t_len, C), f32)
   out_type = [jax.ShapeDtypeStruct((bsz, heads, t_len, d), f32), square,
               square, decayed, decayed, decayed]
-  keys = compat.smem((C, d), dtype)
-  scratch = [compat.smem((C, d), f32), keys, keys, keys, keys, keys, keys,
+  keys = compat.smem((C, KB), dtype)
+  scratch = [compat.smem((C, KB), f32), keys, keys, keys, keys, keys, keys,
              keys, keys, compat.smem((C, C), f32), compat.smem((C, C), f32),
              plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _forward_body(mg, *refs, groups=heads // h,
