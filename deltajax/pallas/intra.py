@@ -295,9 +295,12 @@ def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
     g_end_ref[ks] = end
     _store_decayed(g, end, cuts, ks, counts, decayed)
 
-    @pl.when(~gentle | every_g)
-    def _(ks=ks, g=g):
+    def store_g(ks=ks, g=g):
       g_ref[:, ks] = g
+    if every_g:
+      store_g()
+    else:
+      pl.when(~gentle)(store_g)
   pl.when(gentle)(lambda: _forward_whole_chunk(
       q_ref=q_ref, k_ref=k_ref, kr_ref=k_ref if kr_ref is None else kr_ref,
       gates=[(ks, g, (_first_gate(a_ref, ks) + end) / 2)
