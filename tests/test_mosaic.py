@@ -301,10 +301,13 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
   Pallas kernel in float64 on the same 16-bit operands (W and U from T):
   dk, dv, db, the cumulative gate's dg and dM, with grouped value heads in
   one case (1.9e-3 relative RMS error at most: the 16-bit roundings of
-  dX, dW and dM's bracket); impl="mosaic"'s adapter refuses read keys."""
+  dX, dW and dM's bracket), and the per-channel W of :func:`ut.w_u`;
+  impl="mosaic"'s adapter refuses read keys."""
   x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
                              dv)
   got = ut_backward.ut_backward(compat.Mosaic(interpret=True), **x)
+  got += ut.w_u(compat.Mosaic(interpret=True),
+                *(x[n] for n in ("k", "v", "g", "b", "t")), values=False)[:1]
   with jax.enable_x64(True):
     wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
     config = pallas.core.KernelConfig(interpret=True)
@@ -316,7 +319,8 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
         launch=launch("w_u"), **shared)
     want = pallas.ut.ut_backward(**wide, w=w, u=u, dk_out=None, dg_out=None,
                                  launch=launch("ut_backward"), **shared)
-  for name, y, ref in zip(("dk", "dv", "db", "dg", "dm"), got, want):
+  for name, y, ref in zip(("dk", "dv", "db", "dg", "dm", "w"), got,
+                          (*want, w)):
     assert y.shape == ref.shape, name
     err = utils.relative_rms_error(np.asarray(y, np.float64),
                                    np.asarray(ref, np.float64))
@@ -791,6 +795,11 @@ def test_kernels_lower_for_the_gpu(schedule):
       *((lambda *x, v=values: ut.w_u(mg, *x, values=v),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64)))
         for values in (True, False)),
+      # W per channel ("one"): g [B, HV, T, K].
+      *((lambda *x: ut.w_u(mg, *x, values=False),
+         (shape(1, 128, 1, dk), shape(1, 128, 2, 128), f32(1, 2, 128, dk),
+          vec, shape(1, 2, 128, 64)))
+        for dk in ((64, 128) if schedule == "one" else ())),
       # ut_backward with a float32 and a bfloat16 dk_out (narrow_dk).
       *((lambda *x: ut_backward.ut_backward(mg, *x),
          (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),

@@ -195,7 +195,7 @@ _BACKWARD_KERNELS = {
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
-_PER_CHANNEL = ("reverse", "ut", "intra")
+_PER_CHANNEL = ("w_u", "reverse", "ut", "intra")
 INVERSES = ("pallas", "mosaic")
 SCORES = ("pallas", "mosaic")
 
@@ -212,7 +212,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float16 (the products take them as they are). K, V <= 128.
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet)
       or ``W = K`` (KDA, per key channel: schedule "one", the Pallas
-      inverse, and of ``backward`` only "reverse", "ut" and "intra" in
+      inverse, and of ``backward`` "w_u", "reverse", "ut" and "intra" in
       Mosaic GPU).
     b: ``[B, T, HV]`` beta.
     initial_state: ``[B, HV, K, V]``.
