@@ -121,7 +121,7 @@ def time_jax(attention, inputs, reps):
 MOSAIC_VARIANTS = {
     "mosaic:inv=mosaic": dict(inverse="mosaic"),
     "mosaic:scores=mosaic": dict(scores="mosaic"),
-    "mosaic:keep_gates": dict(keep_gates=True),
+    "mosaic:recompute_gates": dict(keep_gates=False),
     "mosaic:bwd=pallas": dict(backward=()),
     "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
     "mosaic:bwd=pallas_intra": dict(backward=tuple(

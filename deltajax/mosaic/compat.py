@@ -174,7 +174,8 @@ class Mosaic:
     WGMMA layout or a shared memory ref, each ``b`` a shared memory ref;
     either may be :class:`T` (read transposed). The results pass an
     optimization barrier, so that no use of them is scheduled before the
-    wgmma wait (jla's note: the wait carries no data dependency)."""
+    wgmma wait (jla's note: the wait carries no data dependency), and the
+    warpgroup meets after the wait, so that its operands may be written."""
     if self.interpret:  # a value or a ref: x[...] is either's value
       meanwhile()
       # 16-bit operands widen exactly; their products are exact in float32
@@ -206,4 +207,9 @@ class Mosaic:
                     for _, shape, init in products)
       out = pl.run_state(lambda accs: issue(*accs))(
           tuple(plgpu.ACC.init(x) for x in inits))
-    return lax.optimization_barrier(tuple(out))
+    out = lax.optimization_barrier(tuple(out))
+    # Each warp waits for its own share of the products: the warpgroup meets
+    # before any of it overwrites their operands (a TMA copy into a tile the
+    # other warps still read gave rows of garbage on the H200, run X).
+    plgpu.commit_smem()
+    return out

@@ -1,8 +1,10 @@
 """A per-channel gate's intra-chunk scores and their backward, in Mosaic GPU.
 
 :func:`forward`: the first pass of :func:`deltajax.pallas.intra.forward`
-(KDA, one CTA per (batch, chunk, value head), 192 KB of shared memory at K =
-128): ``g = cumsum(a)`` over the chunk (a floored, as products of its three
+(KDA, one CTA per (batch, chunk, value head), by blocks of 64 key channels
+through one set of tiles, the scores summed over them: 112 KB of shared
+memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
+``g = cumsum(a)`` over the chunk (a floored, as products of its three
 16-bit parts, which sum to it exactly, with triangles of ones), the decayed
 operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, and ``A = (K e^{g - r})
 (K e^{r - g})^T``, ``P = scale (Q e^{g - r}) (K e^{r - g})^T`` through the
@@ -34,12 +36,16 @@ the step's scores' backward from 869 to 429 us at (4, 4096, 16, 128)
 
 One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
 brings q, k (head ``j // G``), the gate's tile and its first and last rows,
-a's first row, beta, the entry state's rows of these channels, dO, Delta,
-dM, dk_in and dg_in; every product has 16-bit operands (dP, dM and the
-decayed operands rounded to them, as the Pallas kernel rounds them to TF32)
-and float32 accumulation; the reverse cumulative sum is one product with an
-upper triangle of ones, of dg's two 16-bit halves. 184 KB of shared memory
-at V = 128 (200 KB with grouped value heads' float32 dq and dk).
+a's first row, beta and dM (16-bit), then dO, Delta and the entry state's
+rows of these channels by blocks of 64 value columns through one set of
+tiles, then dk_in and dg_in in their place; every product has 16-bit
+operands (dP, dM and the decayed operands rounded to them, as the Pallas
+kernel rounds them to TF32) and float32 accumulation; the reverse
+cumulative sum is one product with an upper triangle of ones, of dg's two
+16-bit halves. dq and dk are staged in tiles already read: 111 KB of
+shared memory, two CTAs per multiprocessor (127 KB, one, with grouped
+value heads' float32 dq and dk; 184 KB, one, with every tile its own, run
+W).
 """
 
 from __future__ import annotations
@@ -54,17 +60,53 @@ from deltajax import common
 from deltajax.mosaic import compat
 from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 KB = 64  # key channels per CTA
-_INPUTS = 11  # TMA copies before the first product (dk_in, dg_in: later)
+_CHUNK_INPUTS = 8  # TMA copies: q, k, the gate, its first and last rows,
+# a's first row, beta, dM
+_BLOCK_INPUTS = 3  # per block of BV value columns: dO, Delta, S
+
+
+def _value_blocks(mg, refs, at, bar, block_bar, prepare):
+  """``(dP = dO Delta^T [C, C], dO S^T [C, KB])`` float32, by blocks of BV
+  value columns through one set of tiles (in a scope of their own);
+  ``prepare()`` runs once the chunk's inputs (on ``bar``) are in, while the
+  first block arrives. ``refs``: dO, Delta, S in HBM; ``at``: (batch,
+  chunk, value head, key channels)."""
+  do_ref, delta_ref, s_ref = refs
+  bi, n, h, channels = at
+  tokens = pl.ds(n * C, C)
+
+  def scope(do_s, delta_s, s_s):
+    def load_block(j):
+      cols = pl.ds(j * BV, BV)
+      compat.copy_in(((do_ref.at[bi, tokens, h, cols], do_s),
+                      (delta_ref.at[bi, tokens, h, cols], delta_s),
+                      (s_ref.at[bi, h, n, channels, cols], s_s)), block_bar)
+
+    load_block(0)
+    plgpu.barrier_wait(bar)
+    prepare()
+    d_p = read = None
+    n_blocks = do_ref.shape[-1] // BV
+    for j in range(n_blocks):
+      plgpu.barrier_wait(block_bar)
+      d_p, read = mg.products([([(do_s, compat.T(delta_s))], (C, C), d_p),
+                               ([(do_s, compat.T(s_s))], (C, KB), read)])
+      if j + 1 < n_blocks:  # this block's tiles are read
+        load_block(j + 1)
+    return d_p, read
+
+  tile = compat.smem((C, BV), do_ref.dtype)
+  return pl.run_scoped(scope, tile, tile, compat.smem((KB, BV), s_ref.dtype))
 
 
 def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
           dm_ref, dkin_ref, dgin_ref, dq_ref, dk_ref, da_ref, db_ref, q_s, k_s,
-          g_s, s_s, do_s, delta_s, dm32_s, dkin_s, dgin_s, kd_s, qu_s, bku_s,
-          dp_s, dm_s, dq_s, dk_s, g_first, g_last, a_first, b_s, db_s, bar,
-          late_bar, *, groups, scale):
+          g_s, kd_s, qu_s, bku_s, dp_s, dm_s, g_first, g_last, a_first, b_s,
+          db_s, bar, block_bar, late_bar, *, groups, scale, out_dtype):
   bi, n = lax.axis_index("b"), lax.axis_index("n")
   blocks = q_ref.shape[3] // KB
   h, m = lax.div(lax.axis_index("h"), blocks), lax.rem(lax.axis_index("h"),
@@ -77,67 +119,83 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
                   (g_ref.at[bi, h, n * C + C - 1, channels], g_last),
                   (a_ref.at[bi, n * C, h, channels], a_first),
                   (b_ref.at[bi, h, tokens], b_s),
-                  (s_ref.at[bi, h, n, channels], s_s),
-                  (do_ref.at[bi, tokens, h], do_s),
-                  (delta_ref.at[bi, tokens, h], delta_s),
-                  (dm_ref.at[bi, h, tokens], dm32_s)), bar)
-  compat.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
-                  (dgin_ref.at[bi, h, tokens, channels], dgin_s)), late_bar)
+                  (dm_ref.at[bi, h, tokens], dm_s)), bar)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-  plgpu.barrier_wait(bar)
-  d_p, read = mg.products([([(do_s, compat.T(delta_s))], square, None),
-                           ([(do_s, compat.T(s_s))], keys, None)])
-  dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
-  dm_s[...] = jnp.where(rows > cols, mg.load(dm32_s, WGMMA), 0.0).astype(
-      dm_s.dtype)
   on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
-  r = on_keys((mg.load(g_first, COLS) + mg.load(g_last, COLS)) / 2)
-  beta = compat.rows(mg.load(b_s, ROWS), keys)
-  g = mg.load(g_s, WGMMA)
-  up = jnp.exp(g - r)
-  k = mg.load(k_s, WGMMA).astype(jnp.float32)
-  kd_s[...] = (k * jnp.exp(r - g)).astype(kd_s.dtype)
-  qu_s[...] = (scale * up * mg.load(q_s, WGMMA).astype(jnp.float32)).astype(
-      qu_s.dtype)
-  bku_s[...] = (beta * k * up).astype(bku_s.dtype)
-  plgpu.commit_smem()
-  dq, u, dy = mg.products([
-      ([(dp_s, kd_s)], keys, None),
-      ([(dm_s, kd_s)], keys, None),
-      ([(compat.T(dp_s), qu_s), (compat.T(dm_s), bku_s)], keys, None)])
-  g = mg.load(g_s, WGMMA)
-  up = jnp.exp(g - r)
-  dq = scale * (up * dq + jnp.exp(g) * read)
-  dq_s[...] = dq.astype(dq_s.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h, channels])
-  k = mg.load(k_s, WGMMA).astype(jnp.float32)
-  u = u * up
-  dy = dy * jnp.exp(r - g)
-  db_s[...] = jnp.sum(k * u, axis=1)
-  dk_a = beta * u
-  plgpu.barrier_wait(late_bar)
-  dk_in = mg.load(dkin_s, WGMMA).astype(jnp.float32)
-  dk_s[...] = (dk_in + dk_a + dy).astype(dk_s.dtype)
-  dg = (mg.load(dgin_s, WGMMA) + mg.load(q_s, WGMMA).astype(jnp.float32) * dq
-        + k * (dk_a - dy))
-  # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
-  # with the upper triangle of ones, of dg's two 16-bit halves (in the
-  # decayed operands' tiles, read).
-  qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h, channels])
-  plgpu.copy_smem_to_gmem(db_s, db_ref.at[m, bi, h, tokens])
-  upper = jnp.where(cols >= rows, 1.0, 0.0).astype(qu_s.dtype)
-  (da,) = mg.products([([(upper, qu_s), (upper, bku_s)], keys, None)])
-  # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
-  # tokens' a are above it where the gate falls gently).
-  floored = on_keys(mg.load(a_first, COLS)) <= common.LOG_DECAY_FLOOR
-  dgin_s[...] = jnp.where((mg.iota(keys, 0) == 0) & floored, 0.0, da)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(dgin_s, da_ref.at[bi, tokens, h, channels])
-  plgpu.wait_smem_to_gmem(0)
+  load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
+
+  def reference():
+    """r, the midpoint of the gate's range per channel, in every row."""
+    return on_keys((mg.load(g_first, COLS) + mg.load(g_last, COLS)) / 2)
+
+  def prepare():
+    """The decayed operands' tiles, and dM masked to its pairs in place."""
+    r, beta = reference(), compat.rows(mg.load(b_s, ROWS), keys)
+    g = mg.load(g_s, WGMMA)
+    up = jnp.exp(g - r)
+    kd_s[...] = (load(k_s) * jnp.exp(r - g)).astype(kd_s.dtype)
+    qu_s[...] = (scale * up * load(q_s)).astype(qu_s.dtype)
+    bku_s[...] = (beta * load(k_s) * up).astype(bku_s.dtype)
+    dm_s[...] = jnp.where(rows > cols, load(dm_s), 0.0).astype(dm_s.dtype)
+
+  d_p, read = _value_blocks(mg, (do_ref, delta_ref, s_ref),
+                            (bi, n, h, channels), bar, block_bar, prepare)
+
+  def finish(dkin_s, dgin_s, dq_s):
+    """dq, dk, db and da, with dk_in and dg_in arriving in the value
+    blocks' place."""
+    compat.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
+                    (dgin_ref.at[bi, h, tokens, channels], dgin_s)),
+                   late_bar)
+    dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
+    plgpu.commit_smem()
+    dq, u, dy = mg.products([
+        ([(dp_s, kd_s)], keys, None),
+        ([(dm_s, kd_s)], keys, None),
+        ([(compat.T(dp_s), qu_s), (compat.T(dm_s), bku_s)], keys, None)])
+    r, g = reference(), mg.load(g_s, WGMMA)
+    up = jnp.exp(g - r)
+    dq = scale * (up * dq + jnp.exp(g) * read)
+    dq_s = kd_s if dq_s is None else dq_s  # kd is read
+    dq_s[...] = dq.astype(dq_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h, channels])
+    k = load(k_s)
+    u = u * up
+    dy = dy * jnp.exp(r - g)
+    db_s[...] = jnp.sum(k * u, axis=1)
+    dk_a = compat.rows(mg.load(b_s, ROWS), keys) * u
+    plgpu.barrier_wait(late_bar)
+    dk = load(dkin_s) + dk_a + dy
+    dg = load(dgin_s) + load(q_s) * dq + k * (dk_a - dy)
+    # dk staged in its own float32 tile, else in dP's (both [64, 64] and
+    # 16-bit, dP read).
+    dk_s = dkin_s if jnp.dtype(out_dtype) == jnp.float32 else dp_s
+    dk_s[...] = dk.astype(dk_s.dtype)
+    # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
+    # with the upper triangle of ones, of dg's two 16-bit halves (in the
+    # decayed operands' tiles, read).
+    qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h, channels])
+    plgpu.copy_smem_to_gmem(db_s, db_ref.at[m, bi, h, tokens])
+    upper = jnp.where(cols >= rows, 1.0, 0.0).astype(qu_s.dtype)
+    (da,) = mg.products([([(upper, qu_s), (upper, bku_s)], keys, None)])
+    # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
+    # tokens' a are above it where the gate falls gently).
+    floored = on_keys(mg.load(a_first, COLS)) <= common.LOG_DECAY_FLOOR
+    dgin_s[...] = jnp.where((mg.iota(keys, 0) == 0) & floored, 0.0, da)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dgin_s, da_ref.at[bi, tokens, h, channels])
+    plgpu.wait_smem_to_gmem(0)
+
+  f32_tile = compat.smem(keys, jnp.float32)
+  if jnp.dtype(out_dtype) == jnp.float32:  # dq's float32 staging tile too
+    pl.run_scoped(finish, f32_tile, f32_tile, f32_tile)
+  else:
+    pl.run_scoped(lambda dkin_s, dgin_s: finish(dkin_s, dgin_s, None),
+                  f32_tile, f32_tile)
 
 
 def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
@@ -172,20 +230,18 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
               jax.ShapeDtypeStruct(per_head, out_dtype),
               jax.ShapeDtypeStruct(per_head, f32),
               jax.ShapeDtypeStruct((d // KB, bsz, heads, t_len), f32)]
+  d_m = d_m.astype(dtype)  # rounded as the products round it
   keys, square = (C, KB), (C, C)
   vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
-  values = compat.smem((C, dv), dtype)
-  scratch = [compat.smem(keys, dtype), compat.smem(keys, dtype),
-             compat.smem(keys, f32), compat.smem((KB, dv), dtype), values,
-             values, compat.smem(square, d_m.dtype),
-             compat.smem(keys, dk.dtype), compat.smem(keys, f32),
-             *(compat.smem(keys, dtype) for _ in range(3)),
+  tile = compat.smem(keys, dtype)
+  scratch = [tile, tile, compat.smem(keys, f32), tile, tile, tile,
              compat.smem(square, dtype), compat.smem(square, dtype),
-             compat.smem(keys, out_dtype), compat.smem(keys, out_dtype),
              key_vec, key_vec, key_vec, vec, vec,
-             plgpu.Barrier(num_arrivals=_INPUTS),
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
+             plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
              plgpu.Barrier(num_arrivals=2)]
-  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
+                             out_dtype=out_dtype)
   return mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads * (d // KB)), grid_names=("b", "n", "h"),
@@ -198,52 +254,62 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                   kg_s, kend_s, kk_s, p_s, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  compat.copy_in(((a_ref.at[bi, tokens, h], a_s),
-                  (q_ref.at[bi, tokens, hk], q_s),
-                  (k_ref.at[bi, tokens, hk], k_s)), bar)
-  keys, square = (C, a_s.shape[1]), (C, C)
+  keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   dtype = q_s.dtype
-  plgpu.barrier_wait(bar)
-  # a (floored) in three 16-bit parts, which sum to it exactly: sums over
-  # tokens as products with float32 accumulation.
-  a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
-  hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
-  mid_s[...], lo_s[...] = ut.halves(rest, dtype)
-  plgpu.commit_smem()
-  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
-  # g = cumsum(a) over the chunk as g_end (in every row) less the sums
-  # after each token: a lower triangle of ones as the register operand gave
-  # wrong rows 8-15 of each 16 on the H200 (JAX 0.11.2), an upper one not.
-  later, g_end = mg.products([(parts(jnp.where(cols > rows, 1.0, 0.0)), keys,
-                               None),
-                              (parts(jnp.where(cols < C, 1.0, 0.0)), keys,
-                               None)])
-  g = g_end - later
-  # q and k read where used, g and g_end dead before the next product
-  # (fewer float32 tiles live at once: registers).
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
-  kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
-  from_start = jnp.exp(g)
-  qg_s[...] = (load(q_s) * from_start).astype(dtype)
-  kg_s[...] = (load(k_s) * from_start).astype(dtype)
-  a_s[...] = g
-  plgpu.commit_smem()
-  for src, dst in ((a_s, g_ref.at[bi, h, tokens]),
-                   (qg_s, qg_ref.at[bi, tokens, h]),
-                   (kg_s, kg_ref.at[bi, tokens, h]),
-                   (kend_s, kend_ref.at[bi, tokens, h])):
-    plgpu.copy_smem_to_gmem(src, dst)
-  # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
-  (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys, None)])
-  g = mg.load(a_s, WGMMA)
-  up = jnp.exp(g - r)
-  hi_s[...] = (load(q_s) * up).astype(dtype)
-  mid_s[...] = (load(k_s) * up).astype(dtype)
-  lo_s[...] = (load(k_s) * jnp.exp(r - g)).astype(dtype)
-  plgpu.commit_smem()
-  qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, None),
-                        ([(mid_s, compat.T(lo_s))], square, None)])
+  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
+
+  def load_block(j):
+    channels = pl.ds(j * KB, KB)
+    compat.copy_in(((a_ref.at[bi, tokens, h, channels], a_s),
+                    (q_ref.at[bi, tokens, hk, channels], q_s),
+                    (k_ref.at[bi, tokens, hk, channels], k_s)), bar)
+
+  load_block(0)
+  qk = kk = None
+  n_blocks = a_ref.shape[3] // KB
+  for j in range(n_blocks):  # the scores summed over blocks of channels
+    channels = pl.ds(j * KB, KB)
+    plgpu.barrier_wait(bar)
+    # a (floored) in three 16-bit parts, which sum to it exactly: sums over
+    # tokens as products with float32 accumulation.
+    a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
+    hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
+    mid_s[...], lo_s[...] = ut.halves(rest, dtype)
+    plgpu.commit_smem()
+    # g = cumsum(a) over the chunk as g_end (in every row) less the sums
+    # after each token: a lower triangle of ones as the register operand
+    # gave wrong rows 8-15 of each 16 on the H200 (JAX 0.11.2), an upper
+    # one not.
+    later, g_end = mg.products([
+        (parts(jnp.where(cols > rows, 1.0, 0.0)), keys, None),
+        (parts(jnp.where(cols < C, 1.0, 0.0)), keys, None)])
+    g = g_end - later
+    kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
+    from_start = jnp.exp(g)
+    qg_s[...] = (load(q_s) * from_start).astype(dtype)
+    kg_s[...] = (load(k_s) * from_start).astype(dtype)
+    a_s[...] = g
+    plgpu.commit_smem()
+    for src, dst in ((a_s, g_ref.at[bi, h, tokens, channels]),
+                     (qg_s, qg_ref.at[bi, tokens, h, channels]),
+                     (kg_s, kg_ref.at[bi, tokens, h, channels]),
+                     (kend_s, kend_ref.at[bi, tokens, h, channels])):
+      plgpu.copy_smem_to_gmem(src, dst)
+    # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
+    (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys,
+                         None)])
+    up = jnp.exp(g - r)
+    hi_s[...] = (load(q_s) * up).astype(dtype)
+    mid_s[...] = (load(k_s) * up).astype(dtype)
+    lo_s[...] = (load(k_s) * jnp.exp(r - g)).astype(dtype)
+    plgpu.commit_smem()
+    if j + 1 < n_blocks:  # this block's tiles are read, g's copy out too
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      load_block(j + 1)
+    qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, qk),
+                          ([(mid_s, compat.T(lo_s))], square, kk)])
   p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
   kk_s[...] = jnp.where(rows > cols, kk, 0.0)
   plgpu.commit_smem()
@@ -277,8 +343,8 @@ def forward(mg, q, k, a, *, heads, scale):
   square = jax.ShapeDtypeStruct((bsz, heads, t_len, C), f32)
   out_type = [jax.ShapeDtypeStruct((bsz, heads, t_len, d), f32), square,
               square, decayed, decayed, decayed]
-  keys = compat.smem((C, d), dtype)
-  scratch = [compat.smem((C, d), f32), keys, keys, keys, keys, keys, keys,
+  keys = compat.smem((C, KB), dtype)
+  scratch = [compat.smem((C, KB), f32), keys, keys, keys, keys, keys, keys,
              keys, keys, compat.smem((C, C), f32), compat.smem((C, C), f32),
              plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _forward_body(mg, *refs, groups=heads // h,

@@ -140,13 +140,17 @@ def _w_u_body(mg, *refs, groups, values):
                   (t_ref.at[bi, h, tokens], t_s)), bar)
   plgpu.barrier_wait(bar)
   beta = mg.load(b_s, ROWS)
+  keys = k_s.shape
+  if len(g_s.shape) == 2:  # per channel: the gate's [C, K] tile
+    k_factor = compat.rows(beta, keys) * jnp.exp(mg.load(g_s, compat.WGMMA))
+  else:
+    k_factor = compat.rows(beta * jnp.exp(mg.load(g_s, ROWS)), keys)
   # diag(b) [K e^g | V], in place of K and V, then W and U in their place.
-  operands = [(k_s, beta * jnp.exp(mg.load(g_s, ROWS)))] + [
-      (x_s, beta) for x_s in v_s]
+  operands = [(k_s, k_factor)] + [
+      (x_s, compat.rows(beta, x_s.shape)) for x_s in v_s]
   for x_s, factor in operands:
     x = mg.load(x_s, compat.WGMMA).astype(jnp.float32)
-    x_s[...] = (lax.broadcast_in_dim(factor, x.shape, [0]) * x).astype(
-        x_s.dtype)
+    x_s[...] = (factor * x).astype(x_s.dtype)
   plgpu.commit_smem()
   products = mg.products([([(t_s, x_s)], x_s.shape, None)
                           for x_s, _ in operands])
@@ -164,7 +168,9 @@ def w_u(mg, k, v, g, b, t, *, values=True):
     mg: :class:`compat.Mosaic`.
     k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, t: ``[B, HV, T, C]``, one
       16-bit dtype; K and V in {64, 128}, T a multiple of 64.
-    g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
+    g: ``[B, HV, T]`` (per head) or ``[B, HV, T, K]`` (per channel)
+      float32: the chunk-local cumulative log gate; b: ``[B, HV, T]``
+      float32 beta.
     values: form U too (False: for :func:`ut_backward.ut_backward` that
       forms U itself; v is then only read for its shape).
 
@@ -180,7 +186,8 @@ def w_u(mg, k, v, g, b, t, *, values=True):
   if values:
     out_type.append(jax.ShapeDtypeStruct(v.shape, k.dtype))
     scratch.append(compat.smem((C, dv), k.dtype))
-  scratch += [vec, vec, compat.smem((C, C), k.dtype),
+  gate = compat.smem((C, dk), jnp.float32) if g.ndim == 4 else vec
+  scratch += [gate, vec, compat.smem((C, C), k.dtype),
               plgpu.Barrier(num_arrivals=4 + values)]
   outputs = mg.kernel(
       lambda *refs: _w_u_body(mg, *refs, groups=heads // h, values=values),

@@ -45,9 +45,9 @@ a row of ones with the term's two 16-bit halves). Every exponent is ``<=
 0``. The gate's float32 tile (32 KB at K = 128) arrives after the value
 blocks, in their region, while ``dX_k`` is formed; it is read where it is
 used (only dX_k and dK_end are live through dM's products), then stages
-dk and dg: 111 KB of shared memory per CTA at K = V = 128, two CTAs per
-multiprocessor (143 KB, one, with the tile beside the value blocks'
-tiles).
+dk and dg: 103 KB of shared memory per CTA at K = V = 128 (dM staged in 16
+bits), two CTAs per multiprocessor (143 KB, one, with the tile beside the
+value blocks' tiles and dM in float32).
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     r_hi, r_lo = ut.halves(bracket, dtype)
     (minus_dm,) = mg.products([([(r_hi, compat.T(t_s)),
                                  (r_lo, compat.T(t_s))], square, None)])
-    dm_s[...] = -minus_dm
+    dm_s[...] = (-minus_dm).astype(dm_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dm_s, dm_ref.at[bi, h, tokens])
 
@@ -316,8 +316,7 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
 
   keys_tile = compat.smem(keys, dtype)
   pl.run_scoped(keys_side, keys_tile, keys_tile,
-                compat.smem(keys, jnp.float32),
-                compat.smem(square, jnp.float32))
+                compat.smem(keys, jnp.float32), compat.smem(square, dtype))
 
 
 class _Dtypes(NamedTuple):
@@ -348,7 +347,8 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
     ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32. Per
     channel, as its ``(dk, dv, db, dg, dm)``: dk ``[B, T, HV, K]``, db
     ``[B, HV, T]``, the cumulative gate's dg ``[B, HV, T, K]`` (without the
-    scores' shares) and dM ``[B, HV, T, C]``, float32 but for dv.
+    scores' shares), float32, and dM ``[B, HV, T, C]`` in k's 16-bit dtype
+    (:func:`deltajax.mosaic.intra.backward` rounds it so for its products).
   """
   bsz, t_len, h, dk = k.shape
   heads = v.shape[2]
@@ -361,7 +361,7 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
                 jax.ShapeDtypeStruct(b.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
-                jax.ShapeDtypeStruct(t.shape, f32)]
+                jax.ShapeDtypeStruct(t.shape, dtype)]
     scratch = [*chunk_shared, plgpu.SMEM((dk,), f32), vec, vec, vec,
                plgpu.SMEM((dk,), f32),
                plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - 2),

@@ -425,7 +425,8 @@ def _masked_cotangents(refs, rows, cols, at, dot):
   Delta^T`` is formed here, from the rows of dO and Delta at ``at``."""
   d_p = dot(refs["do"][at[0], :], refs["delta"][at[1], :], trans_b=True)
   return [jnp.where(_pairs(rows, cols, refs["cuts"], strict=s), x, 0)
-          for x, s in ((d_p, False), (refs["dm"][at], True))]
+          for x, s in ((d_p, False),
+                       (refs["dm"][at].astype(d_p.dtype), True))]
 
 
 def _backward_whole_chunk(refs, *, scale, dot):
