@@ -232,10 +232,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     scores: per channel, which kernel forms the gate, the decayed operands
       and the scores of the chunks whose gate falls gently (:data:`SCORES`):
       the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the
-      default) or :func:`intra.forward` (slower on the H200 as first
-      written: 1.944 against 0.623 ms forward at (4, 4096, 16, 128), 255
-      registers and spilling; 0.439 against 0.376 at K = 64; RESULTS run
-      W); the Pallas second pass forms the others' scores.
+      default) or :func:`intra.forward` (by blocks of key channels: 0.597
+      against 0.629 ms forward at (4, 4096, 16, 128), but NaN in o on the
+      H200 where the interpreter matches the Pallas pass, RESULTS run X);
+      the Pallas second pass forms the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
