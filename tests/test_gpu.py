@@ -4,7 +4,8 @@
 reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
 dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper (Gated
-DeltaNet and KDA); impl="auto" (what a user gets) on grouped value heads,
+DeltaNet and KDA, and KDA's Mosaic first pass of the scores against the
+Pallas one, output by output); impl="auto" (what a user gets) on grouped value heads,
 packed sequences, fla's GDN test grid and fla's KDA test shapes (KDA and
 Gated DeltaNet-2), and in pieces (``parallel.gated_delta_in_pieces``); the
 decoding step's kernel in a jitted loop at the benchmark's shape.
@@ -20,6 +21,8 @@ import pytest
 import deltajax
 from deltajax import mosaic
 from deltajax import pallas
+from deltajax.mosaic import compat as mosaic_compat
+from deltajax.mosaic import intra as mosaic_intra
 import utils
 
 pytestmark = [
@@ -199,6 +202,43 @@ def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
                       per_channel=True, gate_div=gate_div,
                       nonnegative_qk=True)
   _check(all_mosaic, args, cts, label=f"kda mosaic ut_backward T={t} D={d}")
+
+
+def _scores_first_pass_errors(dk, interpret=False):
+  """Relative RMS errors, by output, of the forward's first pass of KDA's
+  scores through :func:`deltajax.mosaic.intra.forward` (then the Pallas
+  second pass) against the Pallas passes alone, on the same 16-bit q and k
+  (fla's KDA inputs, 16 chunks, two value heads)."""
+  x = utils.random_inputs(dk, batch=1, length=1024, heads=2, key_dim=dk,
+                          value_dim=dk, per_channel=True,
+                          nonnegative_qk=True)
+  q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
+  a = jnp.asarray(x.a, jnp.float32)
+  config = pallas.core.KernelConfig(interpret=interpret).resolve()
+  shared = dict(q=q, k=k, a=a, cuts=None, heads=2, scale=0.3,
+                chunk_size=mosaic.CHUNK, interpret=config.interpret,
+                dot=config.dot, from_start=(q, k), to_end=(k,),
+                launch=config.launch("intra", per_channel=True))
+  done = mosaic_intra.forward(mosaic_compat.Mosaic(interpret=interpret), q,
+                              k, a, heads=2, scale=0.3)
+  got = jax.tree.leaves(pallas.intra.forward(**shared, done=done))
+  want = jax.tree.leaves(pallas.intra.forward(**shared, keep_g=True))
+  names = ("A", "P", "g_end", "Q e^g", "K e^g", "K e^{g_C - g}", "g")
+  return {n: utils.relative_rms_error(np.asarray(y, np.float64),
+                                      np.asarray(w, np.float64))
+          for n, y, w in zip(names, got, want)}
+
+
+@_needs_hopper
+@pytest.mark.parametrize("dk", [64, 128])
+def test_kda_mosaic_scores_first_pass(dk):
+  """The Mosaic first pass of the scores compiled against the Pallas one,
+  output by output (``gated_delta_mosaic(..., scores="mosaic")`` gave NaN
+  in o on the H200 where the interpreter matches, RESULTS run X)."""
+  errors = _scores_first_pass_errors(dk)
+  print(f"scores' first pass K={dk}: " + " ".join(
+      f"{n}={e:.1e}" for n, e in errors.items()))
+  assert all(e < 5e-3 for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],
