@@ -5,10 +5,11 @@ reference on the same device and the same (rounded) values, with fla's
 tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
 dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper (Gated
 DeltaNet and KDA, and KDA's Mosaic first pass of the scores against the
-Pallas one, output by output); impl="auto" (what a user gets) on grouped value heads,
-packed sequences, fla's GDN test grid and fla's KDA test shapes (KDA and
-Gated DeltaNet-2), and in pieces (``parallel.gated_delta_in_pieces``); the
-decoding step's kernel in a jitted loop at the benchmark's shape.
+Pallas one, output by output); impl="auto" (what a user gets) on grouped
+value heads, packed sequences, fla's GDN test grid and fla's KDA test
+shapes (KDA and Gated DeltaNet-2), and in pieces
+(``parallel.gated_delta_in_pieces``); the decoding step's kernel in a
+jitted loop at the benchmark's shape.
 """
 
 import functools
