@@ -5,11 +5,12 @@
 through one set of tiles, the scores summed over them: 112 KB of shared
 memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
 ``g = cumsum(a)`` over the chunk (a floored, as products of its three
-16-bit parts, which sum to it exactly, with triangles of ones), the decayed
-operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, and ``A = (K e^{g - r})
-(K e^{r - g})^T``, ``P = scale (Q e^{g - r}) (K e^{r - g})^T`` through the
-same midpoint reference ``r`` as below; the Pallas second pass rewrites the
-scores of the chunks whose gate falls steeply.
+16-bit parts, which sum to it exactly, with a triangle of ones in shared
+memory, no register operands), the decayed operands ``Q e^g``, ``K e^g``,
+``K e^{g_C - g}``, and ``A = (K e^{g - r}) (K e^{r - g})^T``, ``P = scale
+(Q e^{g - r}) (K e^{r - g})^T`` through the same midpoint reference ``r``
+as below; the Pallas second pass rewrites the scores of the chunks whose
+gate falls steeply.
 
 :func:`backward`: the whole-chunk pass of
 :func:`deltajax.pallas.intra.backward` (g ``[C, K]`` per chunk): for the
@@ -258,7 +259,7 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   dtype = q_s.dtype
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
-  parts = lambda m: [(m.astype(dtype), part) for part in (hi_s, mid_s, lo_s)]
+  parts = lambda tile: [(tile, part) for part in (hi_s, mid_s, lo_s)]
 
   def load_block(j):
     channels = pl.ds(j * KB, KB)
@@ -277,15 +278,19 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
     a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
     hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
     mid_s[...], lo_s[...] = ut.halves(rest, dtype)
+    # g = cumsum(a) over the chunk, g_end and the reference r = (g_0 +
+    # g_end) / 2 = (g_end + a_0) / 2 in every row, as products of a's parts
+    # with a lower triangle of ones, ones, and (1, 1/2, ..., 1/2) in every
+    # row, staged in the decayed operands' tiles (free until g is known):
+    # 16-bit register operands of this kind gave wrong rows on the H200
+    # (RESULTS runs W and X).
+    for tile, weights in ((kend_s, jnp.where(cols <= rows, 1.0, 0.0)),
+                          (qg_s, jnp.where(cols < C, 1.0, 0.0)),
+                          (kg_s, jnp.where(cols == 0, 1.0, 0.5))):
+      tile[...] = weights.astype(dtype)
     plgpu.commit_smem()
-    # g = cumsum(a) over the chunk as g_end (in every row) less the sums
-    # after each token: a lower triangle of ones as the register operand
-    # gave wrong rows 8-15 of each 16 on the H200 (JAX 0.11.2), an upper
-    # one not.
-    later, g_end = mg.products([
-        (parts(jnp.where(cols > rows, 1.0, 0.0)), keys, None),
-        (parts(jnp.where(cols < C, 1.0, 0.0)), keys, None)])
-    g = g_end - later
+    g, g_end, r = mg.products([(parts(tile), keys, None)
+                               for tile in (kend_s, qg_s, kg_s)])
     kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
     from_start = jnp.exp(g)
     qg_s[...] = (load(q_s) * from_start).astype(dtype)
@@ -297,9 +302,6 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                      (kg_s, kg_ref.at[bi, tokens, h, channels]),
                      (kend_s, kend_ref.at[bi, tokens, h, channels])):
       plgpu.copy_smem_to_gmem(src, dst)
-    # The reference r = (g_0 + g_end) / 2 in every row: (g_end + a_0) / 2.
-    (r,) = mg.products([(parts(jnp.where(cols == 0, 1.0, 0.5)), keys,
-                         None)])
     up = jnp.exp(g - r)
     hi_s[...] = (load(q_s) * up).astype(dtype)
     mid_s[...] = (load(k_s) * up).astype(dtype)
