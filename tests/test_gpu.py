@@ -205,6 +205,26 @@ def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
   _check(all_mosaic, args, cts, label=f"kda mosaic ut_backward T={t} D={d}")
 
 
+@_needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("backward", [None, mosaic.BACKWARD],
+                         ids=("default", "all_mosaic"))
+def test_kda_mosaic_moderate_gates(backward, d):
+  """KDA through impl="mosaic" over 32 chunks of moderate gates (about -0.1
+  a token, benchmark.py's: every chunk gentle, its gate falling by 4 to 9
+  per channel): the Mosaic scores' backward (in ``backward=BACKWARD``) gave
+  non-finite da on the H200 on such inputs (RESULTS run Y), while fla's
+  weak and strong gates passed."""
+  def run(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a, b, s0, None, None, scale=q.shape[-1] ** -0.5,
+        chunk_size=mosaic.CHUNK, backward=backward)
+  args, cts = _inputs(2048, d, seed=d + 5, bsz=1, h=4, per_channel=True,
+                      gate_div=8.0)
+  _check(run, args, cts, label=f"kda mosaic moderate gates D={d} "
+         f"backward={backward}")
+
+
 def _scores_first_pass_errors(dk, interpret=False):
   """Relative RMS errors, by output, of the forward's first pass of KDA's
   scores through :func:`deltajax.mosaic.intra.forward` (then the Pallas

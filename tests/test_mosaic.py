@@ -365,8 +365,8 @@ def _mosaic_vjp(args, cotangents, **options):
 
 
 def test_per_channel_backward_in_mosaic_gpu():
-  """KDA's backward in Mosaic GPU (ut_backward and the scores' backward, the
-  default) on the strong gates of :func:`utils.strong_kda_inputs` at K =
+  """KDA's backward in Mosaic GPU (``backward=BACKWARD``: ut_backward and
+  the scores' backward) on the strong gates of :func:`utils.strong_kda_inputs` at K =
   128, V = 64, three chunks (the first's gate falls by 320 over it, so the
   Pallas pass by blocks rewrites it): against float64, within 1.5 times
   the Pallas kernels' errors (``backward=("reverse",)``; beyond fla's
@@ -391,9 +391,25 @@ def test_per_channel_backward_in_mosaic_gpu():
              for y, r in zip(jax.tree.leaves(_mosaic_vjp(args, cts,
                                                          backward=names)),
                              ref)]
-            for names in (("reverse",), None)]
+            for names in (("reverse",), mosaic.BACKWARD)]
   for i, (pallas_err, err) in enumerate(zip(*errors)):
     assert err < 1.5 * pallas_err, (i, err, pallas_err)
+
+
+def test_default_backward_per_channel(monkeypatch):
+  """By default KDA's backward takes every Mosaic GPU kernel of a
+  per-channel gate but the scores' backward (non-finite da on the H200,
+  RESULTS run Y); Gated DeltaNet's takes all of them."""
+  seen = []
+  monkeypatch.setattr(ops, "_mosaic", lambda scale, plan, backward, *x:
+                      seen.append(backward[0]) or (x[0], x[-1]))
+  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  s0 = jnp.zeros((1, 1, 64, 64), jnp.float32)
+  for width in (1, 64):
+    a = jnp.zeros((1, 64, 1, width), jnp.float32)
+    ops.gated_delta_mosaic(q, q, q, a, a[..., 0], s0, None, None,
+                           scale=0.125, chunk_size=64)
+  assert seen == [mosaic.BACKWARD, ("w_u", "reverse", "ut")]
 
 
 def test_default_schedule():

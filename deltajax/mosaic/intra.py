@@ -42,8 +42,8 @@ rows of these channels by blocks of 64 value columns through one set of
 tiles, then dk_in and dg_in in their place; every product has 16-bit
 operands (dP, dM and the decayed operands rounded to them, as the Pallas
 kernel rounds them to TF32) and float32 accumulation; the reverse
-cumulative sum is one product with an upper triangle of ones, of dg's two
-16-bit halves. dq and dk are staged in tiles already read: 111 KB of
+cumulative sum is one product with an upper triangle of ones (in dM's
+tile), of dg's two 16-bit halves. dq and dk are staged in tiles already read: 111 KB of
 shared memory, two CTAs per multiprocessor (127 KB, one, with grouped
 value heads' float32 dq and dk; 184 KB, one, with every tile its own, run
 W).
@@ -175,14 +175,15 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     dk_s = dkin_s if jnp.dtype(out_dtype) == jnp.float32 else dp_s
     dk_s[...] = dk.astype(dk_s.dtype)
     # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
-    # with the upper triangle of ones, of dg's two 16-bit halves (in the
-    # decayed operands' tiles, read).
+    # with the upper triangle of ones (in dM's tile, read), of dg's two
+    # 16-bit halves (in the decayed operands' tiles, read). The triangle as
+    # a 16-bit register operand gave non-finite da on the H200 (run Y).
     qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
+    dm_s[...] = jnp.where(cols >= rows, 1.0, 0.0).astype(dm_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h, channels])
     plgpu.copy_smem_to_gmem(db_s, db_ref.at[m, bi, h, tokens])
-    upper = jnp.where(cols >= rows, 1.0, 0.0).astype(qu_s.dtype)
-    (da,) = mg.products([([(upper, qu_s), (upper, bku_s)], keys, None)])
+    (da,) = mg.products([([(dm_s, qu_s), (dm_s, bku_s)], keys, None)])
     # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
     # tokens' a are above it where the gate falls gently).
     floored = on_keys(mg.load(a_first, COLS)) <= common.LOG_DECAY_FLOOR

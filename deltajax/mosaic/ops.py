@@ -196,6 +196,7 @@ _BACKWARD_KERNELS = {
 BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
 _PER_CHANNEL = ("w_u", "reverse", "ut", "intra")
+_PER_CHANNEL_BY_DEFAULT = ("w_u", "reverse", "ut")
 INVERSES = ("pallas", "mosaic")
 SCORES = ("pallas", "mosaic")
 
@@ -232,15 +233,19 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     scores: per channel, which kernel forms the gate, the decayed operands
       and the scores of the chunks whose gate falls gently (:data:`SCORES`):
       the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the
-      default) or :func:`intra.forward` (by blocks of key channels: 0.597
-      against 0.629 ms forward at (4, 4096, 16, 128), but NaN in o on the
-      H200 where the interpreter matches the Pallas pass, RESULTS run X);
-      the Pallas second pass forms the others' scores.
+      default) or :func:`intra.forward` (by blocks of key channels: 0.585
+      against 0.628 ms forward at (4, 4096, 16, 128), 0.399 against 0.384
+      at K = 64; its 16-bit operands put A and P 2.4e-3 relative RMS from
+      the Pallas pass's float32 ones, o 4.4e-3 from float64 against 3.8e-3,
+      RESULTS run Y); the Pallas second pass forms the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
       scores' backward); the others are the Pallas ones, as is the rest of
-      the backward. None (the default): all of them. Each runs in Mosaic
+      the backward. None (the default): all of them, but per channel the
+      scores' backward (its Mosaic kernel, :func:`intra.backward`, gave
+      non-finite da on the H200 at moderate gates over many chunks,
+      RESULTS run Y; the interpreter matches). Each runs in Mosaic
       GPU where the Pallas kernels' padded head dims are 64 or 128. The
       Mosaic GPU backward through the UT transform needs neither W nor U,
       so with it :func:`ut.w_u` forms W alone, for the reverse pass.
@@ -313,8 +318,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if backward is None:
     # All of them; per channel, ut_backward at K = 128 too since its
     # registers were cut (2.621 against 2.885 ms forward+backward with the
-    # Pallas one at (4, 4096, 16, 128) on the H200, RESULTS run W).
-    backward = BACKWARD
+    # Pallas one at (4, 4096, 16, 128) on the H200, RESULTS run W), but not
+    # the scores' backward: non-finite da on the H200 over many chunks of
+    # moderate gates (RESULTS run Y).
+    backward = BACKWARD if a.shape[-1] == 1 else _PER_CHANNEL_BY_DEFAULT
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
