@@ -43,10 +43,10 @@ tiles, then dk_in and dg_in in their place; every product has 16-bit
 operands (dP, dM and the decayed operands rounded to them, as the Pallas
 kernel rounds them to TF32) and float32 accumulation; the reverse
 cumulative sum is one product with an upper triangle of ones (in dM's
-tile), of dg's two 16-bit halves. dq and dk are staged in tiles already read: 111 KB of
-shared memory, two CTAs per multiprocessor (127 KB, one, with grouped
-value heads' float32 dq and dk; 184 KB, one, with every tile its own, run
-W).
+tile), of dg's two 16-bit halves. dq and dk are staged in tiles already
+read: 111 KB of shared memory, two CTAs per multiprocessor (127 KB, one,
+with grouped value heads' float32 dq and dk; 184 KB, one, with every tile
+its own, run W).
 """
 
 from __future__ import annotations
