@@ -367,9 +367,9 @@ def _mosaic_vjp(args, cotangents, **options):
 def test_per_channel_backward_in_mosaic_gpu():
   """KDA's backward in Mosaic GPU (``backward=BACKWARD``: ut_backward and
   the scores' backward) on the strong gates of
-  :func:`utils.strong_kda_inputs` at K = 128, V = 64, three chunks (the first's gate falls by 320 over it, so the
-  Pallas pass by blocks rewrites it): against float64, within 1.5 times
-  the Pallas kernels' errors (``backward=("reverse",)``; beyond fla's
+  :func:`utils.strong_kda_inputs` at K = 128, V = 64, three chunks (the
+  first's gate falls by 320 over it, so the Pallas pass by blocks rewrites
+  it): against float64, within 1.5 times the Pallas kernels' errors (``backward=("reverse",)``; beyond fla's
   tolerances for both on these inputs, the forward's too: o 1.1e-2; dq
   1.5e-2 against 1.3e-2, da 1.7e-2 against 1.4e-2: 16-bit operands where
   the Pallas kernels take TF32 ones)."""
