@@ -369,10 +369,11 @@ def test_per_channel_backward_in_mosaic_gpu():
   the scores' backward) on the strong gates of
   :func:`utils.strong_kda_inputs` at K = 128, V = 64, three chunks (the
   first's gate falls by 320 over it, so the Pallas pass by blocks rewrites
-  it): against float64, within 1.5 times the Pallas kernels' errors (``backward=("reverse",)``; beyond fla's
-  tolerances for both on these inputs, the forward's too: o 1.1e-2; dq
-  1.5e-2 against 1.3e-2, da 1.7e-2 against 1.4e-2: 16-bit operands where
-  the Pallas kernels take TF32 ones)."""
+  it): against float64, within 1.5 times the Pallas kernels' errors
+  (``backward=("reverse",)``; beyond fla's tolerances for both on these
+  inputs, the forward's too: o 1.1e-2; dq 1.5e-2 against 1.3e-2, da 1.7e-2
+  against 1.4e-2: 16-bit operands where the Pallas kernels take TF32
+  ones)."""
   x = utils.strong_kda_inputs(3, length=192, key_dim=128, value_dim=64)
   args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
           *(jnp.asarray(t, jnp.float32) for t in x[3:]))
