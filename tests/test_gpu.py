@@ -229,10 +229,11 @@ def _scores_first_pass_errors(dk, interpret=False):
   """Relative RMS errors, by output, of the forward's first pass of KDA's
   scores through :func:`deltajax.mosaic.intra.forward` (then the Pallas
   second pass) against the Pallas passes alone, on the same 16-bit q and k
-  (fla's KDA inputs, 16 chunks, two value heads)."""
+  (fla's KDA inputs but for gates of about -0.1 a token, so that every
+  chunk's scores are the Mosaic pass's, 16 chunks, two value heads)."""
   x = utils.random_inputs(dk, batch=1, length=1024, heads=2, key_dim=dk,
                           value_dim=dk, per_channel=True,
-                          nonnegative_qk=True)
+                          nonnegative_qk=True, gate_scale=1 / 8)
   q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
   a = jnp.asarray(x.a, jnp.float32)
   config = pallas.core.KernelConfig(interpret=interpret).resolve()
@@ -259,7 +260,8 @@ def test_kda_mosaic_scores_first_pass(dk):
   errors = _scores_first_pass_errors(dk)
   print(f"scores' first pass K={dk}: " + " ".join(
       f"{n}={e:.1e}" for n, e in errors.items()))
-  assert all(e < 5e-3 for e in errors.values()), errors
+  assert all(e < (1e-4 if n in "AP" else 5e-3)
+             for n, e in errors.items()), errors
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],

@@ -9,8 +9,10 @@ memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
 memory, no register operands), the decayed operands ``Q e^g``, ``K e^g``,
 ``K e^{g_C - g}``, and ``A = (K e^{g - r}) (K e^{r - g})^T``, ``P = scale
 (Q e^{g - r}) (K e^{r - g})^T`` through the same midpoint reference ``r``
-as below; the Pallas second pass rewrites the scores of the chunks whose
-gate falls steeply.
+as below, their operands in two 16-bit halves each (three products a
+pair: float32 accuracy, as the Pallas pass's; with one half, A and P were
+2.4e-3 from it at gates of about -0.1 a token, RESULTS run Y); the Pallas
+second pass rewrites the scores of the chunks whose gate falls steeply.
 
 :func:`backward`: the whole-chunk pass of
 :func:`deltajax.pallas.intra.backward` (g ``[C, K]`` per chunk): for the
@@ -303,16 +305,24 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                      (kg_s, kg_ref.at[bi, tokens, h, channels]),
                      (kend_s, kend_ref.at[bi, tokens, h, channels])):
       plgpu.copy_smem_to_gmem(src, dst)
-    up = jnp.exp(g - r)
-    hi_s[...] = (load(q_s) * up).astype(dtype)
-    mid_s[...] = (load(k_s) * up).astype(dtype)
-    lo_s[...] = (load(k_s) * jnp.exp(r - g)).astype(dtype)
+    # The scores' operands Q e^{g - r}, K e^{g - r} and K e^{r - g} as two
+    # 16-bit halves each (the high ones in a's parts' tiles, the rests in
+    # the decayed operands' once copied out), three products a pair (the
+    # rests' product dropped): float32 accuracy, as the Pallas pass's.
+    up, down = jnp.exp(g - r), jnp.exp(r - g)
+    operands = ((load(q_s) * up, hi_s, qg_s), (load(k_s) * up, mid_s, kg_s),
+                (load(k_s) * down, lo_s, kend_s))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for x, high, rest in operands:
+      high[...], rest[...] = ut.halves(x, dtype)
     plgpu.commit_smem()
     if j + 1 < n_blocks:  # this block's tiles are read, g's copy out too
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_block(j + 1)
-    qk, kk = mg.products([([(hi_s, compat.T(lo_s))], square, qk),
-                          ([(mid_s, compat.T(lo_s))], square, kk)])
+    split = lambda high, rest: [(high, compat.T(lo_s)),
+                                (high, compat.T(kend_s)),
+                                (rest, compat.T(lo_s))]
+    qk, kk = mg.products([(split(hi_s, qg_s), square, qk),
+                          (split(mid_s, kg_s), square, kk)])
   p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
   kk_s[...] = jnp.where(rows > cols, kk, 0.0)
   plgpu.commit_smem()

@@ -235,9 +235,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the
       default) or :func:`intra.forward` (by blocks of key channels: 0.585
       against 0.628 ms forward at (4, 4096, 16, 128), 0.399 against 0.384
-      at K = 64; its 16-bit operands put A and P 2.4e-3 relative RMS from
-      the Pallas pass's float32 ones, o 4.4e-3 from float64 against 3.8e-3,
-      RESULTS run Y); the Pallas second pass forms the others' scores.
+      at K = 64, RESULTS run Y, when its operands were rounded to 16 bits
+      once, which put A and P 2.4e-3 relative RMS from the Pallas pass's
+      float32 ones; now in two halves each, untimed); the Pallas second
+      pass forms the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
