@@ -30,13 +30,15 @@ intra-chunk scores and T (:func:`deltajax.pallas.intra.forward`,
 :func:`deltajax.pallas.ut.inverse`), as ``impl="pallas"`` does; the scan
 and the output are :func:`scan.forward`'s (schedule "one"), and the backward
 is the Pallas one (:func:`deltajax.pallas.ops.backward`) on the residuals
-it keeps (with P), but for the reverse state pass, the backward through
-the UT transform and the scores' backward, which run in Mosaic GPU
-(:func:`reverse.backward` on the decayed operands,
-:func:`ut_backward.ut_backward` on the gate's tile, :func:`intra.backward`
+it keeps (with P), but for W, the reverse state pass and the backward
+through the UT transform, which run in Mosaic GPU (:func:`ut.w_u`,
+:func:`reverse.backward` on the decayed operands,
+:func:`ut_backward.ut_backward` on the gate's tile) where ``backward`` has
+them (by default), and the scores' backward (:func:`intra.backward`
 through each chunk's midpoint gate, the Pallas kernel by blocks after it
-where the gate falls steeply) where ``backward`` has them (by default; the
-other Mosaic backward kernels take the per-head gate only).
+where the gate falls steeply) where ``backward`` names it (not by
+default: non-finite da on the H200, RESULTS run Y). The output's Mosaic
+backward takes the per-head gate only.
 
 Few long sequences (CTAs filling at most half the multiprocessors) are
 cut into equal runs of chunks walked side by side (``pieces``): the runs'
