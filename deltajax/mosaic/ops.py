@@ -198,7 +198,6 @@ _BACKWARD_KERNELS = {
 BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
 _PER_CHANNEL = ("w_u", "reverse", "ut", "intra")
-_PER_CHANNEL_BY_DEFAULT = ("w_u", "reverse", "ut")
 INVERSES = ("pallas", "mosaic")
 SCORES = ("pallas", "mosaic")
 
@@ -321,10 +320,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if backward is None:
     # All of them; per channel, ut_backward at K = 128 too since its
     # registers were cut (2.621 against 2.885 ms forward+backward with the
-    # Pallas one at (4, 4096, 16, 128) on the H200, RESULTS run W), but not
-    # the scores' backward: non-finite da on the H200 over many chunks of
-    # moderate gates (RESULTS run Y).
-    backward = BACKWARD if a.shape[-1] == 1 else _PER_CHANNEL_BY_DEFAULT
+    # Pallas one at (4, 4096, 16, 128) on the H200, RESULTS run W), and the
+    # scores' backward since its reverse cumsum reads its triangle from
+    # shared memory (finite and repeatable on the H200, RESULTS run Z).
+    backward = BACKWARD
   unknown = set(backward) - set(BACKWARD)
   if unknown:
     raise ValueError(f"backward: unknown kernels {sorted(unknown)}; the "
