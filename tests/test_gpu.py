@@ -128,6 +128,30 @@ def test_mosaic_bf16_matches_float64_reference(t, d, hv):
 @_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
                                     (1000, 128, 4)])
+def test_mosaic_forward_alone_matches_float64_reference(t, d, hv):
+  """The forward outside differentiation (its scan saves nothing, and
+  publishes ``S^T`` and ``Delta^T`` as it carries them): o and the final
+  state against float64, and as the training forward gives them."""
+  args, _ = _inputs(t, d, seed=t * 1000 + d + 7, hv=hv)
+  low = tuple(jnp.asarray(x, jnp.bfloat16) for x in args[:3]) + tuple(
+      jnp.asarray(x, jnp.float32) for x in args[3:])
+  run = lambda impl, *x: deltajax.gated_delta(
+      *x[:-1], initial_state=x[-1], impl=impl, return_final_state=True)
+  got = run("mosaic", *low)
+  trained, _ = jax.vjp(functools.partial(run, "mosaic"), *low)
+  with jax.enable_x64(True):
+    ref = run("chunked", *(jnp.asarray(x, jnp.float64) for x in low))
+  for name, x, y, z in zip("os", got, trained, ref):
+    x, y, z = (np.asarray(w, np.float64) for w in (x, y, z))
+    err = utils.relative_rms_error(x, z)
+    print(f"mosaic forward alone T={t} D={d} HV={hv}: {name}={err:.1e}")
+    assert np.all(np.isfinite(x)) and err <= TOLERANCES[name], (name, err)
+    assert utils.relative_rms_error(x, y) < 1e-6, name
+
+
+@_needs_hopper
+@pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
+                                    (1000, 128, 4)])
 def test_mosaic_fused_reverse_matches_float64_reference(t, d, hv):
   """The three-warpgroup reverse pass that forms W and dDelta_local itself
   (``fused_reverse``), with the three-warpgroup scan, called directly."""

@@ -594,11 +594,17 @@ def test_scan_schedules_give_the_same_results():
   warpgroup scan does, to float32 rounding: outputs, final state and,
   through the chunk states and Delta it saves (and the reverse pass
   carrying the transposed state), the gradients. K != V, so that a state
-  transposed the wrong way fails."""
+  transposed the wrong way fails. The forward alone too (no saves: the
+  specialized scan then publishes ``S^T`` and ``Delta^T`` as it carries
+  them)."""
   args, cts = _contract_inputs(9, length=192, value_heads=1, key_dim=128,
                                value_dim=64)
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, schedule="specialized")),
-            jax.tree.leaves(_mosaic_vjp(args, cts, schedule="one"))]
+  forward = lambda schedule: mosaic.gated_delta_mosaic(
+      *args, None, None, scale=0.125, chunk_size=64, schedule=schedule)
+  leaves = [jax.tree.leaves((forward("specialized"),
+                             _mosaic_vjp(args, cts, schedule="specialized"))),
+            jax.tree.leaves((forward("one"),
+                             _mosaic_vjp(args, cts, schedule="one")))]
   for i, (got, want) in enumerate(zip(*leaves)):
     got, want = (np.asarray(x, np.float64) for x in (got, want))
     assert utils.relative_rms_error(got, want) < 1e-6, i
@@ -786,10 +792,14 @@ def test_kernels_lower_for_the_gpu(schedule):
                                         channel=x[7:])
   decayed = lambda dk: shape(1, 128, 2, dk)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
+  unsaved = lambda *x: scan.forward(mg, *x, scale=0.1, save=False,
+                                    schedule=schedule)
+  scan_args = (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec,
+               vec, shape(1, 2, 128, 128, dtype=jnp.float32))
   for fn, args in [
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
-      (forward, (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64),
-                 vec, vec, shape(1, 2, 128, 128, dtype=jnp.float32))),
+      (forward, scan_args),
+      (unsaved, scan_args),
       # The scan in two pieces, and the map pass of the first.
       (lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
                                schedule=schedule, pieces=scan.Pieces(2, 1)),

@@ -94,9 +94,9 @@ class _Shared(NamedTuple):
   g_cols: object  # [SLOTS, C] float32, read per column
   g_end: object   # [SLOTS, K] float32 per channel: g at the chunk's end
   beta: object    # [SLOTS, C] float32
-  s: object       # [K, BV] S's 16-bit copy
+  s: object       # [K, BV] S's 16-bit copy ([BV, K] where carried)
   y: object       # [C, BV] diag(b) (V - (K e^g) S)
-  d_hi: object    # [C, BV] Delta, and the rest of it
+  d_hi: object    # [C, BV] Delta, and the rest of it (Delta^T: C = BV)
   d_lo: object
   e: object       # [C, BV] e^{g_C - g} Delta
   o: object       # [C, BV] the output tile
@@ -169,12 +169,20 @@ def _shared(refs, per_channel, schedule, maps):
 
 class _Chunk(NamedTuple):
   """One chunk's view of the kernel: refs, indices and its slot; ``values``
-  (a map pass's) multiplies v: 0 in the identity's columns, else 1."""
+  (a map pass's) multiplies v: 0 in the identity's columns, else 1;
+  ``carried``: S and Delta are published as WG0 carries them, ``S^T [BV,
+  K]`` and ``Delta^T`` (the specialized schedule without ``save``)."""
   mg: object
   sh: _Shared
   slot: object
   tokens: object
   values: object = None
+  carried: bool = False
+
+  def published(self, ref):
+    """A published tile (S's copy, Delta's halves) as a product's right
+    operand: ``ref`` read transposed where it holds WG0's transpose."""
+    return compat.T(ref) if self.carried else ref
 
   @property
   def dtype(self):
@@ -235,7 +243,8 @@ class _Chunk(NamedTuple):
 
   def query_state(self):
     """The product ``Q S`` (per channel ``(Q e^g) S``; S staged)."""
-    return [(self.sh.q.at[self.slot], self.sh.s)], (C, BV), None
+    return [(self.sh.q.at[self.slot], self.published(self.sh.s))], (C,
+                                                                   BV), None
 
   def scaled_query_state(self, qs, scale):
     """The output's inter-chunk part from :meth:`query_state`'s result:
@@ -283,7 +292,8 @@ class _Chunk(NamedTuple):
     """The pairs of ``P Delta`` in three bf16 passes from P's halves (the
     product of the rests dropped; Delta's halves staged)."""
     (p_hi, p_lo), sh = p, self.sh
-    return [(p_hi, sh.d_hi), (p_lo, sh.d_hi), (p_hi, sh.d_lo)]
+    d_hi, d_lo = self.published(sh.d_hi), self.published(sh.d_lo)
+    return [(p_hi, d_hi), (p_lo, d_hi), (p_hi, d_lo)]
 
   def output(self, p, scale):
     """``O = scale e^g * (Q S) + P Delta`` (``p``: P's halves; Delta and S
@@ -308,11 +318,18 @@ class _Chunk(NamedTuple):
 
   def publish_transposed(self, s_lo, d_hi, d_lo):
     """S's 16-bit copy and Delta's halves in ``sh.s``, ``sh.d_hi``,
-    ``sh.d_lo`` (those not None), from ``S^T`` and Delta^T's halves; commits
-    every shared memory store so far."""
+    ``sh.d_lo`` (those not None), from ``S^T`` and Delta^T's halves: as
+    they are where ``carried`` (a register tile's transposed store took
+    about 10 us of the scan's 177 at (4, 4096, 16, 128) on the H200, RESULTS
+    run Z), else transposed (the layout that ``save`` copies to HBM);
+    commits every shared memory store so far."""
     for ref, x in ((self.sh.s, s_lo), (self.sh.d_hi, d_hi),
                    (self.sh.d_lo, d_lo)):
-      if x is not None:
+      if x is None:
+        continue
+      if self.carried:
+        ref[...] = x
+      else:
         self.mg.store_transposed(ref, x)
     plgpu.commit_smem()
 
@@ -342,6 +359,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   states_ref, delta_ref = refs[:2] if save else (None, None)
   refs = refs[2:] if save else refs
   sh, sync = _shared(refs, per_channel, schedule, maps)
+  carried = _carried(schedule, save, maps)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
   hk, state_cols = lax.div(h, groups), pl.ds(vb * BV, BV)
@@ -374,7 +392,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
   def chunk(n):
     return _Chunk(mg, sh, lax.rem(n, SLOTS), pl.ds((first + n) * C, C),
-                  values)
+                  values, carried)
 
   transposed = schedule != "one"  # carrying S^T
   # This CTA's columns of its row's state (rows of the transposed one).
@@ -596,6 +614,12 @@ def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
   return maps[..., :dk], maps[..., dk:]
 
 
+def _carried(schedule, save, maps):
+  """Whether WG0 publishes ``S^T`` and ``Delta^T`` as it carries them
+  (:class:`_Chunk`): the specialized scan with an output and no saves."""
+  return schedule == "specialized" and not (save or maps)
+
+
 def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
             channel, pieces, maps):
   """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
@@ -628,7 +652,9 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
       q=keys, k=keys, kd=keys, v=compat.smem((SLOTS, C, BV), dtype),
       t=compat.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
       g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
-      s=compat.smem((*copies, dk, BV), dtype), y=tile, d_hi=published,
+      s=compat.smem((*copies, *((BV, dk) if _carried(schedule, save, maps)
+                                else (dk, BV))), dtype),
+      y=tile, d_hi=published,
       d_lo=published, e=tile, o=published,
       f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
       p=compat.smem((C, C), jnp.float32),
