@@ -776,7 +776,7 @@ def test_kernels_lower_for_the_gpu(schedule):
   backward's kernels (with and without narrow_dk; the reverse pass as the
   schedule takes it), the last of them under vmap too. Lowering also checks
   that each kernel's shared memory fits in 227 KB (the per-channel scan at
-  K = 128: 210 KB, the per-channel reverse pass 217 KB, the per-channel
+  K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
   ut_backward 111 KB, the scores' backward 200 KB with grouped value
   heads). Under ``jax_enable_x64``, as the other tests run
   them: an array the wrappers create (the map pass's identity, say) must

@@ -11,11 +11,9 @@ chunk-local cumulative gate)::
 
 as wgmmas with 16-bit operands and float32 accumulation: ``K S`` (S's bf16
 copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
-(its rows scaled after) and ``P Delta`` (P in two 16-bit halves against
-Delta's 16-bit copy, the one the state update takes: o 2.9e-3 from float64
-against 2.4e-3 with Delta's rest as a third pass, 3.4e-3 with P rounded too,
-on tests/test_mosaic.py's inputs; the third pass cost about 10 us of the
-scan's 165 at (4, 4096, 16, 128) on the H200, RESULTS run Z). Every exponent
+(its rows scaled after) and ``P Delta`` (in three passes, about float32, as
+the Pallas output kernel: rounding both to bf16 cost 1e-2 of o's relative
+error at b near 2 with aligned keys, tests/test_mosaic.py). Every exponent
 is ``<= 0`` (``g`` falls within the chunk; above the diagonal the difference
 is masked to ``-inf`` before ``exp``, seed section 4.1).
 
@@ -44,8 +42,8 @@ the Pallas per-channel scan and output kernels take them::
 with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling S's rows. TMA
 brings ``Q e^g``, ``K e^g`` and ``K e^{g_C - g}`` in place of q, k and the
 gates, and P (float32, for its bf16 halves) into one slot of its own, the
-next chunk's once this chunk's output has read it: 210 KB of shared memory
-per CTA at K = 128 (179 KB for the per-head gate).
+next chunk's once this chunk's output has read it: 218 KB of shared memory
+per CTA at K = 128 (187 KB for the per-head gate).
 
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
@@ -98,7 +96,8 @@ class _Shared(NamedTuple):
   beta: object    # [SLOTS, C] float32
   s: object       # [K, BV] S's 16-bit copy ([BV, K] where carried)
   y: object       # [C, BV] diag(b) (V - (K e^g) S)
-  d: object       # [C, BV] Delta's 16-bit copy (Delta^T where carried)
+  d_hi: object    # [C, BV] Delta, and the rest of it (Delta^T: C = BV)
+  d_lo: object
   e: object       # [C, BV] e^{g_C - g} Delta
   o: object       # [C, BV] the output tile
   f: object       # [K, BV] float32: the initial, then the final state
@@ -116,7 +115,7 @@ _CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded")
 # what WG0 publishes for WG1 (and WG1's output tile), so that WG0 waits for
 # WG1 to be done with chunk n - 2, not n - 1.
 _ONE_ONLY = ("y", "e")
-_PUBLISHED = ("s", "d", "o")
+_PUBLISHED = ("s", "d_hi", "d_lo", "o")
 # A map pass (:func:`piece_maps`) reads no queries and forms no output; in
 # the specialized schedule it publishes nothing either.
 _OUTPUT_ONLY = ("q", "o", "p", "p_loaded")
@@ -181,7 +180,7 @@ class _Chunk(NamedTuple):
   carried: bool = False
 
   def published(self, ref):
-    """A published tile (S's copy, Delta's) as a product's right
+    """A published tile (S's copy, Delta's halves) as a product's right
     operand: ``ref`` read transposed where it holds WG0's transpose."""
     return compat.T(ref) if self.carried else ref
 
@@ -208,7 +207,7 @@ class _Chunk(NamedTuple):
 
   def delta(self, ks):
     """Delta from ``K S`` (float32 ``[C, BV]``; per channel ``(K e^g) S``),
-    staged in ``d`` (16 bits), and for a scalar gate its decay to the
+    staged in ``d_hi``, ``d_lo``, and for a scalar gate its decay to the
     chunk's end in ``e``."""
     mg, sh, slot = self.mg, self.sh, self.slot
     g_row, g_end = (None, None) if self.per_channel else self.gates()
@@ -220,7 +219,7 @@ class _Chunk(NamedTuple):
     sh.y[...] = (compat.rows(beta, tile) * (v - ks)).astype(sh.y.dtype)
     plgpu.commit_smem()
     delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
-    sh.d[...] = delta.astype(sh.d.dtype)
+    sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
     if g_row is not None:
       sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
           sh.y.dtype)
@@ -238,7 +237,7 @@ class _Chunk(NamedTuple):
     g})^T Delta``, Delta's 16-bit rounding as in the Pallas scan), and the
     ``also`` products, waited for with it."""
     sh, slot = self.sh, self.slot
-    pair = ((compat.T(sh.kd.at[slot]), sh.d) if self.per_channel
+    pair = ((compat.T(sh.kd.at[slot]), sh.d_hi) if self.per_channel
             else (compat.T(sh.k.at[slot]), sh.e))
     return self.mg.products([([pair], s.shape, self.decay(s)), *also])
 
@@ -290,11 +289,11 @@ class _Chunk(NamedTuple):
     return ut.halves(scale * gamma * qk, self.dtype)
 
   def p_delta(self, p):
-    """The pairs of ``P Delta`` in two bf16 passes from P's halves (Delta's
-    16-bit copy staged)."""
-    p_hi, p_lo = p
-    d = self.published(self.sh.d)
-    return [(p_hi, d), (p_lo, d)]
+    """The pairs of ``P Delta`` in three bf16 passes from P's halves (the
+    product of the rests dropped; Delta's halves staged)."""
+    (p_hi, p_lo), sh = p, self.sh
+    d_hi, d_lo = self.published(sh.d_hi), self.published(sh.d_lo)
+    return [(p_hi, d_hi), (p_lo, d_hi), (p_hi, d_lo)]
 
   def output(self, p, scale):
     """``O = scale e^g * (Q S) + P Delta`` (``p``: P's halves; Delta and S
@@ -317,13 +316,17 @@ class _Chunk(NamedTuple):
         self.dtype)
     return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
 
-  def publish(self, s_t, delta_t):
-    """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d`` from WG0's
-    ``S^T`` and ``Delta^T``: as they are where ``carried`` (2 us of the
-    scan's 165-177 at (4, 4096, 16, 128) on the H200, RESULTS run Z), else
-    transposed (the layout that ``save`` copies to HBM); commits every
-    shared memory store so far."""
-    for ref, x in ((self.sh.s, s_t), (self.sh.d, delta_t)):
+  def publish_transposed(self, s_lo, d_hi, d_lo):
+    """S's 16-bit copy and Delta's halves in ``sh.s``, ``sh.d_hi``,
+    ``sh.d_lo`` (those not None), from ``S^T`` and Delta^T's halves: as
+    they are where ``carried`` (a register tile's transposed store took
+    about 10 us of the scan's 177 at (4, 4096, 16, 128) on the H200, RESULTS
+    run Z), else transposed (the layout that ``save`` copies to HBM);
+    commits every shared memory store so far."""
+    for ref, x in ((self.sh.s, s_lo), (self.sh.d_hi, d_hi),
+                   (self.sh.d_lo, d_lo)):
+      if x is None:
+        continue
       if self.carried:
         ref[...] = x
       else:
@@ -410,7 +413,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     if save:
       plgpu.copy_smem_to_gmem(x.sh.s,
                               states_ref.at[bi, h, first + n, :, cols])
-      plgpu.copy_smem_to_gmem(x.sh.d, delta_ref.at[bi, x.tokens, h, cols])
+      plgpu.copy_smem_to_gmem(x.sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
 
   def begin(n):
     """Chunk n of the one-warpgroup schedule, once its tiles are in, the
@@ -506,7 +509,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
         def _():  # WG1 is done with chunk n - 2's S and Delta
           plgpu.barrier_wait(s_free.at[half])
 
-        x.publish(s_lo, delta_t.astype(x.dtype))
+        x.publish_transposed(s_lo, *ut.halves(delta_t, x.dtype))
         plgpu.barrier_arrive(s_ready.at[half])
 
       (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
@@ -651,7 +654,8 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
       g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
       s=compat.smem((*copies, *((BV, dk) if _carried(schedule, save, maps)
                                 else (dk, BV))), dtype),
-      y=tile, d=published, e=tile, o=published,
+      y=tile, d_hi=published,
+      d_lo=published, e=tile, o=published,
       f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
       p=compat.smem((C, C), jnp.float32),
       loaded=plgpu.Barrier(num_arrivals=_INPUTS - maps, num_barriers=SLOTS),
