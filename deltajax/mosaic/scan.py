@@ -26,7 +26,8 @@ Two schedules of the same steps (:data:`SCHEDULES`):
   two slots, WG0 carries ``S^T [BV, K]`` so that the products on the
   sequential path (``S^T K^T``, ``Y^T T^T``, ``E^T K``) take their left
   operands from registers, and publishes S's bf16 copy and Delta in shared
-  memory while the update runs (two copies, alternating by chunk), WG1
+  memory while the update runs (two copies, alternating by chunk; without
+  ``save``, as it carries them, transposed), WG1
   forms the scores and the output from them, two chunks behind WG0 at
   most. (One warpgroup carrying ``S^T`` alone was no faster than ``"one"``
   on the H200, RESULTS run N.)
@@ -316,17 +317,15 @@ class _Chunk(NamedTuple):
         self.dtype)
     return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
 
-  def publish_transposed(self, s_lo, d_hi, d_lo):
+  def publish(self, s_t, d_hi, d_lo):
     """S's 16-bit copy and Delta's halves in ``sh.s``, ``sh.d_hi``,
-    ``sh.d_lo`` (those not None), from ``S^T`` and Delta^T's halves: as
-    they are where ``carried`` (a register tile's transposed store took
-    about 10 us of the scan's 177 at (4, 4096, 16, 128) on the H200, RESULTS
-    run Z), else transposed (the layout that ``save`` copies to HBM);
-    commits every shared memory store so far."""
-    for ref, x in ((self.sh.s, s_lo), (self.sh.d_hi, d_hi),
+    ``sh.d_lo``, from WG0's ``S^T`` and Delta^T's halves: as they are
+    where ``carried`` (165.3 and 175.4 against 167.3 and 177.4 us for the
+    scan at (4, 4096, 16, 128) on the H200, twice in one call, RESULTS run
+    Z), else transposed (the layout that ``save`` copies to HBM); commits
+    every shared memory store so far."""
+    for ref, x in ((self.sh.s, s_t), (self.sh.d_hi, d_hi),
                    (self.sh.d_lo, d_lo)):
-      if x is None:
-        continue
       if self.carried:
         ref[...] = x
       else:
@@ -509,7 +508,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
         def _():  # WG1 is done with chunk n - 2's S and Delta
           plgpu.barrier_wait(s_free.at[half])
 
-        x.publish_transposed(s_lo, *ut.halves(delta_t, x.dtype))
+        x.publish(s_lo, *ut.halves(delta_t, x.dtype))
         plgpu.barrier_arrive(s_ready.at[half])
 
       (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
