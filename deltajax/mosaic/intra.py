@@ -179,7 +179,8 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
     # with the upper triangle of ones (in dM's tile, read), of dg's two
     # 16-bit halves (in the decayed operands' tiles, read). The triangle as
-    # a 16-bit register operand gave non-finite da on the H200 (run Y).
+    # a 16-bit register operand gave non-finite da on the H200 (run Y;
+    # from shared memory, finite and repeatable, run Z).
     qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
     dm_s[...] = jnp.where(cols >= rows, 1.0, 0.0).astype(dm_s.dtype)
     plgpu.commit_smem()

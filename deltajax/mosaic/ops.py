@@ -34,11 +34,12 @@ it keeps (with P), but for W, the reverse state pass and the backward
 through the UT transform, which run in Mosaic GPU (:func:`ut.w_u`,
 :func:`reverse.backward` on the decayed operands,
 :func:`ut_backward.ut_backward` on the gate's tile) where ``backward`` has
-them (by default), and the scores' backward (:func:`intra.backward`
-through each chunk's midpoint gate, the Pallas kernel by blocks after it
-where the gate falls steeply) where ``backward`` names it (not by
-default: non-finite da on the H200, RESULTS run Y). The output's Mosaic
-backward takes the per-head gate only.
+them, and the scores' backward (:func:`intra.backward` through each
+chunk's midpoint gate, the Pallas kernel by blocks after it where the gate
+falls steeply), all by default (run Y saw non-finite da through the
+scores' backward before its triangle came from shared memory; RESULTS
+run Z: finite and repeatable). The output's Mosaic backward takes the
+per-head gate only.
 
 Few long sequences (CTAs filling at most half the multiprocessors) are
 cut into equal runs of chunks walked side by side (``pieces``): the runs'
@@ -238,19 +239,21 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       against 0.628 ms forward at (4, 4096, 16, 128), 0.399 against 0.384
       at K = 64, RESULTS run Y, when its operands were rounded to 16 bits
       once, which put A and P 2.4e-3 relative RMS from the Pallas pass's
-      float32 ones; now in two halves each, untimed); the Pallas second
-      pass forms the others' scores.
+      float32 ones; in two halves each since, 0.646 against 0.628 and
+      0.423 against 0.391 ms, RESULTS run Z); the Pallas second pass
+      forms the others' scores.
     backward: which of the backward's kernels run in Mosaic GPU (a subset
       of :data:`BACKWARD`: W and U, the output's backward, the reverse state
       pass, the backward through the UT transform, per channel the
       scores' backward); the others are the Pallas ones, as is the rest of
-      the backward. None (the default): all of them, but per channel the
-      scores' backward (its Mosaic kernel, :func:`intra.backward`, gave
-      non-finite da on the H200 at moderate gates over many chunks,
-      RESULTS run Y; the interpreter matches). Each runs in Mosaic
-      GPU where the Pallas kernels' padded head dims are 64 or 128. The
-      Mosaic GPU backward through the UT transform needs neither W nor U,
-      so with it :func:`ut.w_u` forms W alone, for the reverse pass.
+      the backward. None (the default): all of them (per channel, KDA's
+      forward+backward 0.61-0.71x jla's at five shapes on the H200,
+      RESULTS run Z; its da 6.9e-3 from float64 against 3.2e-3 with the
+      Pallas scores' backward, whose products take TF32 operands). Each
+      runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
+      or 128. The Mosaic GPU backward through the UT transform needs
+      neither W nor U, so with it :func:`ut.w_u` forms W alone, for the
+      reverse pass.
     narrow_dk: the output's backward hands its share of dk to ut_backward
       in q's 16-bit dtype instead of float32 (half its HBM traffic, one more
       rounding). True needs "output" and "ut" in ``backward``; None (the
