@@ -11,9 +11,12 @@ chunk-local cumulative gate)::
 
 as wgmmas with 16-bit operands and float32 accumulation: ``K S`` (S's bf16
 copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
-(its rows scaled after) and ``P Delta`` (in three passes, about float32, as
-the Pallas output kernel: rounding both to bf16 cost 1e-2 of o's relative
-error at b near 2 with aligned keys, tests/test_mosaic.py). Every exponent
+(its rows scaled after) and ``P Delta``: P's two 16-bit halves against
+Delta's 16-bit copy, the one the state update takes (rounding P too cost
+1e-2 of o's relative error at b near 2 with aligned keys,
+tests/test_mosaic.py). A per-channel gate's ``P Delta`` takes Delta's rest
+as a third pass (two passes cost 7.6e-3 of o's error against 4.2e-3 at
+(1024, 128) with strong gates on the H200, RESULTS run Z). Every exponent
 is ``<= 0`` (``g`` falls within the chunk; above the diagonal the difference
 is masked to ``-inf`` before ``exp``, seed section 4.1).
 
@@ -44,7 +47,7 @@ with ``e^{g_C}`` a ``[K]`` vector of the row layout scaling S's rows. TMA
 brings ``Q e^g``, ``K e^g`` and ``K e^{g_C - g}`` in place of q, k and the
 gates, and P (float32, for its bf16 halves) into one slot of its own, the
 next chunk's once this chunk's output has read it: 218 KB of shared memory
-per CTA at K = 128 (187 KB for the per-head gate).
+per CTA at K = 128 (179 KB for the per-head gate).
 
 With ``save``, the kernel also writes what the Pallas backward reads: each
 chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
@@ -97,8 +100,8 @@ class _Shared(NamedTuple):
   beta: object    # [SLOTS, C] float32
   s: object       # [K, BV] S's 16-bit copy ([BV, K] where carried)
   y: object       # [C, BV] diag(b) (V - (K e^g) S)
-  d_hi: object    # [C, BV] Delta, and the rest of it (Delta^T: C = BV)
-  d_lo: object
+  d_hi: object    # [C, BV] Delta's 16-bit copy (Delta^T where carried)
+  d_lo: object    # [C, BV] per channel: the rest of Delta
   e: object       # [C, BV] e^{g_C - g} Delta
   o: object       # [C, BV] the output tile
   f: object       # [K, BV] float32: the initial, then the final state
@@ -111,12 +114,12 @@ class _Shared(NamedTuple):
 # A per-channel scan reads its decays from the decayed operands and g_end;
 # its output leaves through y (read by T Y before the output is stored).
 _SCALAR_ONLY = ("g_rows", "g_cols", "e", "o")
-_CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded")
+_CHANNEL_ONLY = ("kd", "g_end", "p", "p_loaded", "d_lo")
 # The specialized schedule forms Y and E in registers, and double-buffers
 # what WG0 publishes for WG1 (and WG1's output tile), so that WG0 waits for
 # WG1 to be done with chunk n - 2, not n - 1.
 _ONE_ONLY = ("y", "e")
-_PUBLISHED = ("s", "d_hi", "d_lo", "o")
+_PUBLISHED = ("s", "d_hi", "o")
 # A map pass (:func:`piece_maps`) reads no queries and forms no output; in
 # the specialized schedule it publishes nothing either.
 _OUTPUT_ONLY = ("q", "o", "p", "p_loaded")
@@ -181,7 +184,7 @@ class _Chunk(NamedTuple):
   carried: bool = False
 
   def published(self, ref):
-    """A published tile (S's copy, Delta's halves) as a product's right
+    """A published tile (S's copy, Delta's) as a product's right
     operand: ``ref`` read transposed where it holds WG0's transpose."""
     return compat.T(ref) if self.carried else ref
 
@@ -208,8 +211,8 @@ class _Chunk(NamedTuple):
 
   def delta(self, ks):
     """Delta from ``K S`` (float32 ``[C, BV]``; per channel ``(K e^g) S``),
-    staged in ``d_hi``, ``d_lo``, and for a scalar gate its decay to the
-    chunk's end in ``e``."""
+    staged in ``d_hi`` (per channel its rest in ``d_lo``), and for a scalar
+    gate its decay to the chunk's end in ``e``."""
     mg, sh, slot = self.mg, self.sh, self.slot
     g_row, g_end = (None, None) if self.per_channel else self.gates()
     tile = (C, BV)
@@ -220,7 +223,10 @@ class _Chunk(NamedTuple):
     sh.y[...] = (compat.rows(beta, tile) * (v - ks)).astype(sh.y.dtype)
     plgpu.commit_smem()
     delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
-    sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
+    if self.per_channel:
+      sh.d_hi[...], sh.d_lo[...] = ut.halves(delta, sh.y.dtype)
+    else:
+      sh.d_hi[...] = delta.astype(sh.y.dtype)
     if g_row is not None:
       sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
           sh.y.dtype)
@@ -290,11 +296,12 @@ class _Chunk(NamedTuple):
     return ut.halves(scale * gamma * qk, self.dtype)
 
   def p_delta(self, p):
-    """The pairs of ``P Delta`` in three bf16 passes from P's halves (the
-    product of the rests dropped; Delta's halves staged)."""
+    """The pairs of ``P Delta`` from P's halves and Delta's staged copy,
+    with Delta's rest against P's first half per channel."""
     (p_hi, p_lo), sh = p, self.sh
-    d_hi, d_lo = self.published(sh.d_hi), self.published(sh.d_lo)
-    return [(p_hi, d_hi), (p_lo, d_hi), (p_hi, d_lo)]
+    d_hi = self.published(sh.d_hi)
+    rest = [] if sh.d_lo is None else [(p_hi, sh.d_lo)]
+    return [(p_hi, d_hi), (p_lo, d_hi), *rest]
 
   def output(self, p, scale):
     """``O = scale e^g * (Q S) + P Delta`` (``p``: P's halves; Delta and S
@@ -317,15 +324,14 @@ class _Chunk(NamedTuple):
         self.dtype)
     return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
 
-  def publish(self, s_t, d_hi, d_lo):
-    """S's 16-bit copy and Delta's halves in ``sh.s``, ``sh.d_hi``,
-    ``sh.d_lo``, from WG0's ``S^T`` and Delta^T's halves: as they are
+  def publish(self, s_t, delta_t):
+    """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d_hi`` from WG0's
+    ``S^T`` and ``Delta^T`` (16-bit): as they are
     where ``carried`` (165.3 and 175.4 against 167.3 and 177.4 us for the
     scan at (4, 4096, 16, 128) on the H200, twice in one call, RESULTS run
     Z), else transposed (the layout that ``save`` copies to HBM); commits
     every shared memory store so far."""
-    for ref, x in ((self.sh.s, s_t), (self.sh.d_hi, d_hi),
-                   (self.sh.d_lo, d_lo)):
+    for ref, x in ((self.sh.s, s_t), (self.sh.d_hi, delta_t)):
       if self.carried:
         ref[...] = x
       else:
@@ -508,7 +514,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
         def _():  # WG1 is done with chunk n - 2's S and Delta
           plgpu.barrier_wait(s_free.at[half])
 
-        x.publish(s_lo, *ut.halves(delta_t, x.dtype))
+        x.publish(s_lo, delta_t.astype(x.dtype))
         plgpu.barrier_arrive(s_ready.at[half])
 
       (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
