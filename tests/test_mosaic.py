@@ -714,19 +714,27 @@ def test_inverses_agree():
     run("triton")
 
 
-@pytest.mark.parametrize("beta", [1.0, 1.99])
-def test_inverse_is_stable_for_aligned_keys(beta):
-  """Identical keys, no decay: substitution keeps T exact to its bf16
-  rounding where a power series of A would cancel catastrophically."""
+@pytest.mark.parametrize("keys,beta", [("aligned", 1.0), ("aligned", 1.99),
+                                       ("random", 1.5)])
+def test_inverse_matches_float64(keys, beta):
+  """T against float64 to its bf16 rounding: identical keys without decay
+  (where a power series of A would cancel catastrophically), and random
+  keys with a decaying gate."""
   c = ut.C
   rng = np.random.default_rng(3)
-  k = np.tile(rng.standard_normal((1, 64)), (c, 1))
+  k = rng.standard_normal((1 if keys == "aligned" else c, 64))
+  k = np.tile(k, (c // len(k), 1))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   k = np.asarray(jnp.asarray(k, jnp.bfloat16), np.float64)
-  expected = np.linalg.inv(np.eye(c) + np.tril(beta * (k @ k.T), -1))
+  g = (np.zeros(c) if keys == "aligned"
+       else np.cumsum(-rng.uniform(0.0, 0.1, c)))
+  b = np.full(c, beta) if keys == "aligned" else rng.uniform(0.0, 2.0, c)
+  a = np.tril(np.exp(g[:, None] - g[None, :]) * (k @ k.T), -1)
+  expected = np.linalg.inv(np.eye(c) + b[:, None] * a)
   t = ut.inverse(compat.Mosaic(interpret=True),
                  jnp.asarray(k[None, :, None], jnp.bfloat16),
-                 jnp.zeros((1, 1, c)), jnp.full((1, 1, c), beta), heads=1)
+                 jnp.asarray(g[None, None], jnp.float32),
+                 jnp.asarray(b[None, None], jnp.float32), heads=1)
   got = np.asarray(t[0, 0], np.float64)
   assert np.max(np.abs(got - expected)) < 2 ** -8 * np.max(np.abs(expected))
 

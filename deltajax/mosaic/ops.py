@@ -1,7 +1,7 @@
 """``impl="mosaic"``: Gated DeltaNet as Mosaic GPU kernels (Hopper).
 
 Forward: the UT inverse (parallel over chunks; the Pallas kernel
-:func:`deltajax.pallas.ut.inverse` by default, timed at a quarter of
+:func:`deltajax.pallas.ut.inverse` by default, timed at half of
 :func:`ut.inverse`'s time on the H200, or with ``inverse="mosaic"`` that
 one) -> :func:`scan.forward` (the state scan and the output fused,
 sequential over chunks, in one of :data:`scan.SCHEDULES`: by default
@@ -230,8 +230,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       4096, 16, 128) on the H200, RESULTS runs N and P), "one" per channel
       and under ``jax_enable_x64``.
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
-      Pallas one (the default: 77 us against 340 at (4, 4096, 16, 128) on
-      the H200, RESULTS run L) or :func:`ut.inverse`.
+      Pallas one (the default: 76 us against 161 at (4, 4096, 16, 128) on
+      the H200, RESULTS run AA) or :func:`ut.inverse`.
     scores: per channel, which kernel forms the gate, the decayed operands
       and the scores of the chunks whose gate falls gently (:data:`SCORES`):
       the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the

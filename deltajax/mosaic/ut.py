@@ -1,14 +1,14 @@
 """The UT transform in Mosaic GPU: per chunk, ``T = (I + diag(b) A)^-1``.
 
 ``A = Gamma * K K^T`` (strictly lower; GDN seed, section 2.3) for a scalar
-gate, so ``I + diag(b) A`` is unit lower triangular. The math is
-:mod:`deltajax.pallas.ut`'s: the 16x16 diagonal blocks are inverted by
-forward substitution (all four at once, 15 steps on the ``[64, 64]`` tile in
-float32 registers), then the blocks below them by block forward substitution,
-``T_I,: = -T_II sum_{M < I} A_IM T_M,:`` for block rows I = 1, 2, 3, as two
-``[64, 64]`` products per block row on the tensor cores, each in three bf16
-passes (the operands split into their bf16 rounding and the rest), about
-float32 accuracy.
+gate, so ``I + diag(b) A`` is unit lower triangular. It is inverted by
+recursive doubling (:func:`_invert`): the inverse of its diagonal blocks of
+size s gives that of size 2s through two ``[64, 64]`` products on the
+tensor cores, s = 2 to 32, each in three bf16 passes (the operands split
+into their bf16 rounding and the rest), about float32 accuracy. These are
+block forward substitution's values (:mod:`deltajax.pallas.ut` substitutes
+within 16x16 blocks first), not a power series of A: they stay accurate for
+aligned keys with b near 2.
 
 One CTA (one warpgroup) per (batch, chunk, value head): TMA brings the
 chunk's keys (q/k head ``j // G``), gate and beta into shared memory;
@@ -30,7 +30,6 @@ from deltajax.mosaic import compat
 from deltajax.mosaic.compat import COLS, ROWS
 
 C = 64   # the chunk: one wgmma tile of rows
-SUB = 16  # the diagonal blocks solved by substitution
 
 
 def halves(x, dtype):
@@ -48,23 +47,25 @@ def _split_product(mg, a, b, b_hi, b_lo):
   return mg.mm([(a_hi, b_hi), (a_lo, b_hi), (a_hi, b_lo)], (C, C))
 
 
-def _invert_diagonal(mg, a):
-  """The inverses of the 16x16 diagonal blocks of ``I + a`` (zero
-  elsewhere) for the strictly lower float32 ``a [C, C]``, and each entry's
-  row and column block."""
+def _invert(mg, a, hi_s, lo_s):
+  """``(I + a)^-1`` for the strictly lower float32 ``a [C, C]`` by
+  recursive doubling: ``X``, the inverse of ``I + a``'s diagonal blocks of
+  size s, becomes that of size 2s as ``X - X (a * M_s) X``, ``M_s`` masking
+  each 2s-block's lower-left s-block (``D + E`` with ``(D^-1 E)^2 = 0``
+  inverts to ``D^-1 - D^-1 E D^-1``): the same values as block forward
+  substitution, with no reductions across the layout's threads. The
+  products go through ``hi_s``, ``lo_s`` (:func:`_split_product`)."""
   rows, cols = mg.iota((C, C), 0), mg.iota((C, C), 1)
-  row_block, col_block = lax.div(rows, SUB), lax.div(cols, SUB)
-  within = lax.rem(rows, SUB)
-  same = row_block == col_block
-  x = jnp.where(rows == cols, 1.0, 0.0)
-  for r in range(SUB - 1):
-    # Right-looking substitution in every diagonal block at once: row r of
-    # each block is final; rows below it lose a_ir times it.
-    a_col = jnp.sum(jnp.where(cols == row_block * SUB + r, a, 0.0), axis=1)
-    x_row = jnp.sum(jnp.where(within == r, x, 0.0), axis=0)
-    x = x - jnp.where(same, lax.broadcast_in_dim(a_col, (C, C), [0])
-                      * lax.broadcast_in_dim(x_row, (C, C), [1]), 0.0)
-  return x, row_block, col_block
+  lower_left = lambda size: jnp.where(
+      (lax.div(rows, 2 * size) == lax.div(cols, 2 * size))
+      & (lax.div(rows, size) > lax.div(cols, size)), a, 0.0)
+  x = jnp.where(rows == cols, 1.0, 0.0) - lower_left(1)  # X = I at size 1
+  size = 2
+  while size < C:
+    link = _split_product(mg, lower_left(size), x, hi_s, lo_s)
+    x = x - _split_product(mg, x, link, hi_s, lo_s)
+    size *= 2
+  return x
 
 
 def _body(mg, k_ref, g_ref, b_ref, t_ref, k_s, g_rows, g_cols, b_s, hi_s,
@@ -85,16 +86,7 @@ def _body(mg, k_ref, g_ref, b_ref, t_ref, k_s, g_rows, g_cols, b_s, hi_s,
                             - lax.broadcast_in_dim(g_col, (C, C), [1]),
                             -jnp.inf))
   a = lax.broadcast_in_dim(mg.load(b_s, ROWS), (C, C), [0]) * gamma * kk
-  diagonal, row_block, col_block = _invert_diagonal(mg, a)
-  t = diagonal
-  below = jnp.where(row_block > col_block, a, 0.0)
-  for block in range(1, C // SUB):
-    # Block row I: T_I,: = -T_II sum_{M < I} A_IM T_M,: (rows of the blocks
-    # above are final; the products vanish outside block row I).
-    link = _split_product(mg, jnp.where(row_block == block, below, 0.0), t,
-                          hi_s, lo_s)
-    t = t - _split_product(mg, diagonal, link, hi_s, lo_s)
-  t_s[...] = t.astype(t_s.dtype)
+  t_s[...] = _invert(mg, a, hi_s, lo_s).astype(t_s.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(t_s, t_ref.at[bi, h, tokens])
   plgpu.wait_smem_to_gmem(0)
