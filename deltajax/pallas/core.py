@@ -30,11 +30,14 @@ class Launch:
   """Launch knobs of one kernel. ``block_v``, ``block_k``: V columns or key
   channels per program (or per inner step), None for kernels without one (or
   all of them); ``num_stages=None``: chosen from the tile sizes (the forward
-  scan)."""
+  scan); ``method``: the algorithm of a kernel with two of the same result
+  (the UT inverse's, :data:`deltajax.pallas.ut.INVERSE_METHODS`), None for
+  the others."""
   num_warps: int = 4
   num_stages: int | None = 1
   block_v: int | None = None
   block_k: int | None = None
+  method: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class KernelConfig:
   ``precision``: float32 dots on the GPU, "tf32x3" (three TF32 passes, about
   float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
   """
-  inverse: Launch = Launch(num_warps=1, num_stages=1)
+  inverse: Launch = Launch(num_warps=1, num_stages=1, method="blocks")
   intra: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
   forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
   output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
