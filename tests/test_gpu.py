@@ -24,6 +24,7 @@ from deltajax import mosaic
 from deltajax import pallas
 from deltajax.mosaic import compat as mosaic_compat
 from deltajax.mosaic import intra as mosaic_intra
+from deltajax.pallas import ut as pallas_ut
 import utils
 
 pytestmark = [
@@ -106,6 +107,41 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
     assert np.all(np.isfinite(got[n])), n
     if np.linalg.norm(ref[n]) > 1e-12:  # da of a zeroed gate half, say
       assert errors[n] <= tol, (n, errors[n])
+
+
+@pytest.mark.parametrize("keys", ["random", "aligned"])
+@pytest.mark.parametrize("method", pallas_ut.INVERSE_METHODS)
+def test_pallas_inverse_methods_match_float64(method, keys):
+  """The Pallas UT inverse by each method (``Launch.method``) on bf16 keys:
+  T against float64 to its bf16 rounding, random keys with a decaying gate
+  and b in (0, 2), and identical keys without decay at b = 1.99."""
+  bsz, t, h, dk = 2, 1024, 4, 128
+  rng = np.random.default_rng(5)
+  k = rng.standard_normal((bsz, 1 if keys == "aligned" else t, h, dk))
+  k = np.broadcast_to(k / np.linalg.norm(k, axis=-1, keepdims=True),
+                      (bsz, t, h, dk))
+  k = np.asarray(jnp.asarray(k, jnp.bfloat16), np.float64)
+  if keys == "aligned":
+    g, b = np.zeros((bsz, h, t)), np.full((bsz, h, t), 1.99)
+  else:
+    g = np.cumsum(-rng.uniform(0, 0.1, (bsz, h, t // 64, 64)), -1)
+    g, b = g.reshape(bsz, h, t), rng.uniform(0, 2, (bsz, h, t))
+  config = pallas.KernelConfig(interpret=False)
+  got = pallas_ut.inverse(
+      k=jnp.asarray(k, jnp.bfloat16), g=jnp.asarray(g, jnp.float32),
+      b=jnp.asarray(b, jnp.float32), cuts=None, a=None, heads=h,
+      chunk_size=64, launch=pallas.Launch(num_warps=4, method=method),
+      interpret=False, dot=config.dot)
+  chunks = lambda x: x.reshape(*x.shape[:-1], t // 64, 64)
+  kc = np.moveaxis(k.reshape(bsz, t // 64, 64, h, dk), 3, 1)
+  gc, bc = chunks(g), chunks(b)
+  a = np.tril(np.exp(gc[..., :, None] - gc[..., None, :])
+              * (kc @ np.swapaxes(kc, -1, -2)), -1)
+  want = np.linalg.inv(np.eye(64) + bc[..., None] * a)
+  got = np.asarray(got, np.float64).reshape(want.shape)
+  err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+  print(f"inverse {method} {keys}: max error {err:.1e} of T's largest entry")
+  assert err < 2 ** -8, err
 
 
 @pytest.mark.parametrize("t,d", [(1, 64), (63, 100), (64, 128), (1000, 256),
