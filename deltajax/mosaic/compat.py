@@ -161,12 +161,12 @@ class Mosaic:
       plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(
           x, WGMMA_TRANSPOSED)
 
-  def mm(self, pairs, shape, init=None):
+  def mm(self, pairs, shape, init=None, *, meet=True):
     """``init + sum(a @ b for a, b in pairs)``, ``[M, N]`` float32: one
     product of :meth:`products`."""
-    return self.products([(pairs, shape, init)])[0]
+    return self.products([(pairs, shape, init)], meet=meet)[0]
 
-  def products(self, products, meanwhile=lambda: None):
+  def products(self, products, meanwhile=lambda: None, *, meet=True):
     """Several ``init + sum(a @ b for a, b in pairs)`` (``products``: a list
     of ``(pairs, shape, init or None)``), float32, issued together on the
     tensor cores and waited for once; ``meanwhile()`` runs between the two
@@ -175,7 +175,10 @@ class Mosaic:
     either may be :class:`T` (read transposed). The results pass an
     optimization barrier, so that no use of them is scheduled before the
     wgmma wait (jla's note: the wait carries no data dependency), and the
-    warpgroup meets after the wait, so that its operands may be written."""
+    warpgroup meets after the wait, so that its operands may be written
+    (``meet=False``: it does not, where nothing writes them before its next
+    meeting; each meeting is a warpgroup barrier on the chain's critical
+    path, RESULTS run Y)."""
     if self.interpret:  # a value or a ref: x[...] is either's value
       meanwhile()
       # 16-bit operands widen exactly; their products are exact in float32
@@ -208,8 +211,10 @@ class Mosaic:
       out = pl.run_state(lambda accs: issue(*accs))(
           tuple(plgpu.ACC.init(x) for x in inits))
     out = lax.optimization_barrier(tuple(out))
-    # Each warp waits for its own share of the products: the warpgroup meets
-    # before any of it overwrites their operands (a TMA copy into a tile the
-    # other warps still read gave rows of garbage on the H200, run X).
-    plgpu.commit_smem()
+    if meet:
+      # Each warp waits for its own share of the products: the warpgroup
+      # meets before any of it overwrites their operands (a TMA copy into a
+      # tile the other warps still read gave rows of garbage on the H200,
+      # run X).
+      plgpu.commit_smem()
     return out

@@ -322,7 +322,9 @@ class _Chunk(NamedTuple):
     beta = mg.load(sh.beta.at[slot], COLS)
     y_t = (cols(beta) * (v_t - cols(jnp.exp(g_col)) * ks_t)).astype(
         self.dtype)
-    return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile)
+    # Its operands are registers and T's slot, which nothing writes before
+    # the update's meeting: no meeting here.
+    return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile, meet=False)
 
   def publish(self, s_t, delta_t):
     """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d_hi`` from WG0's
@@ -501,8 +503,9 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       x, half = (chunk(n), None) if maps else published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
       s_lo = s_t.astype(x.dtype)
+      # Nothing writes K's slot before the update's meeting.
       (ks_t,) = mg.products([([(s_lo, compat.T(sh.k.at[x.slot]))], (BV, C),
-                              None)])
+                              None)], meet=False)
       delta_t = x.delta_transposed(ks_t)
       if maps:
         (s_t,) = mg.products([x.update_transposed(s_t, delta_t)])
@@ -537,7 +540,9 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       def _step(n):
         x, half = published(n)
         plgpu.barrier_wait(sh.loaded.at[x.slot])
-        qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C))
+        # Q's and K's slot are released after the output's meeting.
+        qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C),
+                   meet=False)
         p = x.scores(qk, scale)
         plgpu.barrier_wait(s_ready.at[half])
         o = x.output(p, scale)
