@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from deltajax import common
+from deltajax.mosaic import chunk_backward
 from deltajax.mosaic import compat
 from deltajax.mosaic import intra
 from deltajax.mosaic import output
@@ -151,13 +152,38 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
   return d_delta, d_next, d_initial[::count]
 
 
+class _Output(NamedTuple):
+  """The output's backward left to :func:`chunk_backward.chunk_backward`
+  (in place of its share of dk): its inputs that ut_backward lacks."""
+  q: jax.Array
+  d_o: jax.Array
+  scale: float
+
+
+def _output(mg, q, k, g, states, delta, d_o, *, scale, fused, **options):
+  """:func:`output.output_backward`, or with ``fused`` its inputs for
+  :func:`_ut` (:func:`chunk_backward.chunk_backward` forms its results
+  and ut_backward's)."""
+  if fused:
+    return None, None, None, _Output(q, d_o, scale)
+  return output.output_backward(mg, q, k, g, states, delta, d_o, scale=scale,
+                                **options)
+
+
 def _ut(mg, k, v, g, b, t, states, d_next, delta, d_delta, dk_out, dg_out,
         kr):
   """:func:`ut_backward.ut_backward` on the Pallas kernel's arguments (per
   channel too: dk_out and dg_out None, dM returned after dg); read keys
-  ``kr`` (Gated DeltaNet-2's) are refused."""
+  ``kr`` (Gated DeltaNet-2's) are refused. Where the output's backward was
+  left to it (:class:`_Output`), :func:`chunk_backward.chunk_backward`,
+  with dq last."""
   if kr is not None:
     raise ValueError("the Mosaic GPU ut_backward has no read keys")
+  if isinstance(dk_out, _Output):
+    dq, dk, dv, db, da = chunk_backward.chunk_backward(
+        mg, dk_out.q, k, v, g, b, t, states, d_next, dk_out.d_o,
+        scale=dk_out.scale)
+    return dk, dv, db, da, dq
   return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
                                  d_delta, dk_out, dg_out)
 
@@ -180,7 +206,7 @@ _BACKWARD_KERNELS = {
     "w_u": _BackwardKernel(
         "w_u", _w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
     "output": _BackwardKernel(
-        "output_backward", output.output_backward,
+        "output_backward", _output,
         pallas_output.output_backward,
         ("q", "k", "g", "states", "delta", "d_o", "scale"), ("q", "d_o")),
     "reverse": _BackwardKernel(
@@ -206,8 +232,8 @@ SCORES = ("pallas", "mosaic")
 def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                        scale, chunk_size, schedule=None,
                        inverse="pallas", scores="pallas", backward=None,
-                       narrow_dk=None, fused_reverse=None, pieces=None,
-                       keep_gates=True):
+                       narrow_dk=None, fused_reverse=None, fused_grads=False,
+                       pieces=None, keep_gates=True):
   """Gated delta rule with Mosaic GPU kernels (:data:`registry.CONTRACT`).
 
   Args:
@@ -270,6 +296,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
       temporaries 483 against 613 MiB), not in the interpreter, which can
       stall with several three-warpgroup CTAs on two cores.
+    fused_grads: the output's backward and the backward through the UT
+      transform as one kernel of three warpgroups
+      (:func:`chunk_backward.chunk_backward`), which forms Delta and dDelta
+      again from the states and their cotangents and keeps the output's
+      shares of dk and the gate in shared memory. True needs
+      ``fused_reverse``, the per-head gate and K, V padded alike (64 or
+      128). Untimed: False by default.
     pieces: the scan and the reverse pass cut each sequence into this many
       equal runs of chunks, walked side by side: a first pass maps each
       run's entry state to its exit state (:func:`scan.piece_maps`), the
@@ -339,6 +372,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, _PER_HEAD,
                           backward) and schedule == "specialized"
+  if fused_grads and not (fused_reverse and a.shape[-1] == 1 and
+                          pallas_core.padded_dim(dims[0])
+                          == pallas_core.padded_dim(dims[1])):
+    raise ValueError(f"fused_grads needs fused_reverse, the per-head gate "
+                     f"and K, V padded alike; got fused_reverse="
+                     f"{fused_reverse}, a {a.shape}, K = {dims[0]}, V = "
+                     f"{dims[1]}")
   n_chunks = -(-q.shape[1] // CHUNK)
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
@@ -348,7 +388,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{n_chunks} chunks; got {pieces!r}")
   o, final = _mosaic(float(scale),
                      (schedule, inverse, pieces, scores, keep_gates),
-                     (tuple(backward), narrow_dk, fused_reverse),
+                     (tuple(backward), narrow_dk, fused_reverse,
+                      bool(fused_grads)),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
@@ -499,7 +540,7 @@ def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
   initial state; scale, the forward's ``plan`` (the scan's schedule, the
   inverse, its pieces, the scores' kernel, keep_gates) and ``backward`` (its
-  Mosaic kernels, narrow_dk, fused_reverse) are static."""
+  Mosaic kernels, narrow_dk, fused_reverse, fused_grads) are static."""
   del backward
   return _forward(plan, scale, q, k, v, a, b, initial_state,
                   save=False)[0]
@@ -527,13 +568,13 @@ def _in_mosaic(name, **options):
   return call
 
 
-def _kernel_options(schedule, names, narrow_dk, fused_reverse):
+def _kernel_options(schedule, names, narrow_dk, fused_reverse, fused_grads):
   """The Mosaic backward kernels' options, by name: the reverse pass
   carrying ``dS^T`` where the scan's ``schedule`` carries ``S^T``; W alone
   from ut.w_u where the Mosaic ut_backward (which needs no U) takes it;
   with ``narrow_dk``, a 16-bit share of dk from the output's backward;
-  with ``fused_reverse``, W and dDelta_local left to the reverse pass.
-  (The kernels that an option couples fall back to Pallas at the same head
+  with ``fused_reverse``, W and dDelta_local left to the reverse pass;
+  with ``fused_grads``, the output's backward left to ut_backward. (The kernels that an option couples fall back to Pallas at the same head
   dims.)"""
   options = {name: {} for name in BACKWARD}
   options["reverse"]["transposed"] = schedule != "one"
@@ -541,15 +582,17 @@ def _kernel_options(schedule, names, narrow_dk, fused_reverse):
   options["w_u"]["deferred"] = fused_reverse
   options["output"]["narrow_dk"] = narrow_dk
   options["output"]["local_delta"] = not fused_reverse
+  options["output"]["fused"] = fused_grads
   return options
 
 
 def _bwd(scale, plan, backward, residuals, cotangents):
-  names, narrow_dk, fused_reverse = backward
+  names, narrow_dk, fused_reverse, fused_grads = backward
   residuals, maps = residuals
   if residuals[3].shape[-1] > 1:  # per channel: those that take its gate
     names = tuple(n for n in names if n in _PER_CHANNEL)
-  options = _kernel_options(plan[0], names, narrow_dk, fused_reverse)
+  options = _kernel_options(plan[0], names, narrow_dk, fused_reverse,
+                            fused_grads)
   options["reverse"]["maps"] = maps
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:

@@ -167,11 +167,13 @@ def _unvisited(chunk_seq, n_seq):
 
 
 def _group_sum(x, h):
-  """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``, summed per group."""
+  """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``, summed per group
+  (16-bit terms in float32)."""
   bsz, t_len, heads, d = x.shape
   if heads == h:
     return x
-  return x.reshape(bsz, t_len, h, heads // h, d).sum(axis=3)
+  return x.reshape(bsz, t_len, h, heads // h, d).sum(
+      axis=3, dtype=jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _pad_keys(kr, kp):
@@ -259,7 +261,9 @@ def backward(scale, chunk_size, config, residuals, cotangents,
   backward, on the residuals its forward saves in this layout, with its own
   kernels in place of :func:`ut.w_u`, :func:`output.output_backward`,
   :func:`state.backward_scan` and :func:`ut.ut_backward`, of their
-  signatures, and per channel :func:`intra.backward`). The saved
+  signatures, and per channel :func:`intra.backward`; per head, its
+  ``ut_backward`` may return dq last, for an ``output_backward`` that left
+  it to it). The saved
   residuals' last, ``kept``: None, or per channel the forward's ``(g, Q
   e^g, K e^{g_C - g})``, which the backward then does not form again."""
   (q, k, v, a, b, initial_state, cut, chunk_seq, kr,
@@ -302,6 +306,8 @@ def backward(scale, chunk_size, config, residuals, cotangents,
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)
+  if p is None and per_channel:  # the output's backward left to ut_backward
+    (dq,) = per_channel
   dkr = None
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr

@@ -1,0 +1,277 @@
+"""The backward's chunk-parallel part in one Mosaic GPU kernel (per-head gate).
+
+What :func:`deltajax.mosaic.output.output_backward` and
+:func:`deltajax.mosaic.ut_backward.ut_backward` form between them, from
+the chunks' entry states ``S`` (the forward's) and the cotangents ``dS'`` of
+their exit states (the reverse pass's) alone: Delta and dDelta are formed
+again rather than read, and the output's shares of dk and the gate never
+leave the CTA. For one chunk (GDN seed, sections 2.3 and 3.3; ``g`` the
+chunk-local cumulative gate, ``P = scale Gamma * Q K^T`` on ``j <= i``)::
+
+  Delta  = T diag(b) (V - e^g * (K S))
+  dDelta = P^T dO + e^{g_C - g} * (K dS')
+
+and from there the two kernels' formulas (their docstrings). Three
+warpgroups share the chunk's tiles, each with its own chain of products:
+
+* WG0, the output's: Delta (published), ``dP~ = scale Gamma * (dO
+  Delta^T)`` (published), ``dq = scale e^g * (dO S^T) + dP~ K`` and
+  ``rowsum(Q * dq)``;
+* WG1, the values': dDelta, ``dX_v = T^T dDelta`` (dv), ``Z = dX_v V^T``,
+  ``dW = -dDelta S^T`` (published), ``dX_k = T^T dW``, ``-dM`` and ``dE =
+  -diag(b) (-dM) * Gamma`` (published), db;
+* WG2, the keys': ``dk = e^{g_C - g} * (Delta dS'^T) + dP~^T Q + dE^T K
+  + dE K + diag(b e^g) dX_k`` (dX_k formed again, not rounded), the keys'
+  share of the gate's cotangent, and da (the reverse cumulative sum, with
+  the chunk end's share).
+
+Products take 16-bit operands (Delta, dDelta, dP~, dW, dE, and dX_k in
+``Z_k = dX_k K^T``, rounded to them as the two kernels round them) with
+float32 accumulation. One CTA per (batch, chunk, value head); K = V in
+{64, 128}: 226 KB of shared memory at 128 (one CTA a multiprocessor; the
+tile of dDelta holds dW, Y's dq, v's dv).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.mosaic import compat
+from deltajax.mosaic import ut
+from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.ut import C
+from deltajax.mosaic.ut_backward import _column_sums
+
+_FIRST = 8  # TMA copies WG0 waits for first: k, v, T, S, the gate, beta twice
+_SECOND = 3  # then q, dO, dS'
+# Registers per thread of WG0, WG1, WG2: at most 3 x 168 in all (the launch
+# share of 384 threads), multiples of 8.
+REGISTERS = (128, 224, 152)
+_LAUNCH_REGISTERS = 168
+
+
+def _set_registers(mg, n):
+  """This warpgroup's budget moved from the launch share to ``n``."""
+  mg.set_max_registers(n, action="increase" if n > _LAUNCH_REGISTERS
+                       else "decrease")
+
+
+def _gamma(mg, g_rows, g_cols, keep, *, transposed=False):
+  """``e^{g_i - g_j}`` (``transposed``: ``e^{g_j - g_i}``) at row ``i``,
+  column ``j`` where ``keep(rows, cols)``, else 0 (masked before exp, seed
+  section 4.1); the gate in ``g_rows`` and ``g_cols``."""
+  square = (C, C)
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  diff = (compat.rows(mg.load(g_rows, ROWS), square)
+          - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]))
+  return jnp.exp(jnp.where(keep(rows, cols), -diff if transposed else diff,
+                           -jnp.inf))
+
+
+def _store(value, staging, dst):
+  """``value`` to HBM at ``dst`` through the shared ``staging`` tile."""
+  staging[...] = value.astype(staging.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dst)
+
+
+def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
+          dn_ref, dq_ref, dk_ref, dv_ref, db_ref, da_ref, q_s, k_s, v_s, do_s,
+          t_s, s_s, dn_s, g_rows, g_cols, b_rows, b_cols, y_s, delta_s, dd_s,
+          dp_s, de_s, dk_s, dgq_s, dg1_s, db_s, vec_s, first, second,
+          delta_ready, dp_ready, dgq_ready, dw_ready, de_ready, dg1_ready,
+          done, *, groups, scale):
+  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
+  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
+  width = k_s.shape[1]  # K = V
+  tile, square = (C, width), (C, C)
+  wg = lax.axis_index("wg")
+  f32 = jnp.float32
+  load = lambda ref: mg.load(ref, WGMMA).astype(f32)
+  g_end = lambda: g_rows[C - 1]
+
+  @pl.when(wg == 0)
+  def _output():
+    _set_registers(mg, REGISTERS[0])
+    compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                    (v_ref.at[bi, tokens, h], v_s),
+                    (t_ref.at[bi, h, tokens], t_s),
+                    (s_ref.at[bi, h, n], s_s),
+                    (g_ref.at[bi, h, tokens], g_rows),
+                    (g_ref.at[bi, h, tokens], g_cols),
+                    (b_ref.at[bi, h, tokens], b_rows),
+                    (b_ref.at[bi, h, tokens], b_cols)), first)
+    compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
+                    (do_ref.at[bi, tokens, h], do_s),
+                    (dn_ref.at[bi, h, n], dn_s)), second)
+    plgpu.barrier_wait(first)
+    g = mg.load(g_rows, ROWS)
+    ks = mg.mm([(k_s, s_s)], tile)
+    y_s[...] = (compat.rows(mg.load(b_rows, ROWS), tile)
+                * (load(v_s) - compat.rows(jnp.exp(g), tile) * ks)
+                ).astype(y_s.dtype)
+    plgpu.commit_smem()
+    delta_s[...] = mg.mm([(t_s, y_s)], tile).astype(delta_s.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(delta_ready)
+    plgpu.barrier_wait(second)
+    dp, dq = mg.products([([(do_s, compat.T(delta_s))], square, None),
+                          ([(do_s, compat.T(s_s))], tile, None)])
+    dp = scale * _gamma(mg, g_rows, g_cols, lambda r, c: r >= c) * dp
+    dp_s[...] = dp.astype(dp_s.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dp_ready)
+    dq = mg.mm([(dp_s, k_s)], tile,
+               compat.rows(scale * jnp.exp(g), tile) * dq)
+    dgq_s[...] = jnp.sum(load(q_s) * dq, axis=1)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dgq_ready)
+    _store(dq, y_s, dq_ref.at[bi, tokens, h])  # Y was read
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _values():
+    _set_registers(mg, REGISTERS[1])
+    plgpu.barrier_wait(first)
+    plgpu.barrier_wait(second)
+    g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
+    # P^T: the keys' rows, the queries' columns.
+    p_t = scale * _gamma(mg, g_rows, g_cols, lambda r, c: c >= r,
+                         transposed=True) * mg.mm([(k_s, compat.T(q_s))],
+                                                  square)
+    local, kds = mg.products([([(p_t.astype(k_s.dtype), do_s)], tile, None),
+                              ([(k_s, dn_s)], tile, None)])
+    dd_s[...] = (local + compat.rows(jnp.exp(g_end() - g), tile) * kds
+                 ).astype(dd_s.dtype)
+    plgpu.commit_smem()
+    d_xv, minus_dw = mg.products([([(compat.T(t_s), dd_s)], tile, None),
+                                  ([(dd_s, compat.T(s_s))], tile, None)])
+    dd_s[...] = (-minus_dw).astype(dd_s.dtype)  # dW, dDelta read
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dw_ready)
+    d_xk, z = mg.products([
+        ([(compat.T(t_s), dd_s)], tile, None),
+        ([(d_xv.astype(v_s.dtype), compat.T(v_s))], square, None)])
+    db = jnp.sum(d_xv * load(v_s), axis=1)
+    plgpu.barrier_wait(delta_ready)  # WG0 has read v
+    plgpu.commit_smem()  # and so have this warpgroup's warps
+    _store(compat.rows(beta, tile) * d_xv, v_s, dv_ref.at[bi, tokens, h])
+    d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), tile),
+                      axis=1)
+    dg1_s[...] = beta * d_xk_kg
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(dg1_ready)
+    # -dM = (Z diag(b) + dX_k K^T diag(b e^g)) T^T (ut_backward's), the
+    # bracket in two 16-bit passes.
+    (z_k,) = mg.products([([(d_xk.astype(k_s.dtype), compat.T(k_s))],
+                           square, None)])
+    beta_col = mg.load(b_cols, COLS)
+    bracket = (z * lax.broadcast_in_dim(beta_col, square, [1])
+               + z_k * lax.broadcast_in_dim(
+                   beta_col * jnp.exp(mg.load(g_cols, COLS)), square, [1]))
+    r_hi, r_lo = ut.halves(bracket, k_s.dtype)
+    minus_dm, kk = mg.products([([(r_hi, compat.T(t_s)),
+                                  (r_lo, compat.T(t_s))], square, None),
+                                ([(k_s, compat.T(k_s))], square, None)])
+    gamma = _gamma(mg, g_rows, g_cols, lambda r, c: r > c)
+    de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
+        de_s.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(de_ready)
+    _store(db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1), db_s,
+           db_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _keys():
+    _set_registers(mg, REGISTERS[2])
+    plgpu.barrier_wait(first)
+    plgpu.barrier_wait(second)
+    # rowsum(dS' * S) by blocks of 64 rows: only its total is used.
+    ds_sum = None
+    for r in range(width // 64):
+      rows = pl.ds(r * 64, 64)
+      part = jnp.sum(load(s_s.at[rows]) * load(dn_s.at[rows]), axis=1)
+      ds_sum = part if ds_sum is None else ds_sum + part
+    g = mg.load(g_rows, ROWS)
+    plgpu.barrier_wait(delta_ready)
+    (d_k_end,) = mg.products([([(delta_s, compat.T(dn_s))], tile, None)])
+    minus = compat.rows(jnp.exp(g_end() - g), tile) * d_k_end
+    end_share = jnp.sum(load(k_s) * minus, axis=1)
+    # dX_k = T^T dW again (WG1 forms it too, for its products), so that
+    # its share of dk is not rounded to 16 bits.
+    plgpu.barrier_wait(dw_ready)
+    (d_xk,) = mg.products([([(compat.T(t_s), dd_s)], tile, None)])
+    plus = compat.rows(mg.load(b_rows, ROWS) * jnp.exp(g), tile) * d_xk
+    dg = -jnp.sum(load(k_s) * plus, axis=1)  # WG1 has this share
+    plgpu.barrier_wait(dp_ready)
+    plgpu.barrier_wait(de_ready)
+    minus, plus = mg.products([
+        ([(compat.T(dp_s), q_s), (compat.T(de_s), k_s)], tile, minus),
+        ([(de_s, k_s)], tile, plus)])
+    dg = dg + jnp.sum(load(k_s) * (plus - minus), axis=1)
+    dk = plus + minus
+    _store(dk, dk_s, dk_ref.at[bi, tokens, h])
+    # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
+    g_end_share = (_column_sums(mg, end_share, vec_s, C)
+                   + jnp.exp(g_end()) * _column_sums(mg, ds_sum, vec_s, C))
+    plgpu.barrier_wait(dgq_ready)
+    plgpu.barrier_wait(dg1_ready)
+    dg = dg + mg.load(dgq_s, ROWS) + mg.load(dg1_s, ROWS)
+    da = _column_sums(mg, dg, vec_s, None) + g_end_share
+    _store(da, vec_s, da_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
+
+  # Every warpgroup leaves together (as the scan's).
+  plgpu.barrier_arrive(done)
+  plgpu.barrier_wait(done)
+
+
+def chunk_backward(mg, q, k, v, g, b, t, states, d_next, d_o, *, scale):
+  """The cotangents of q, k, v, beta and the gate, chunk by chunk.
+
+  Args:
+    mg: :class:`compat.Mosaic`.
+    q, k: ``[B, T, H, K]``; v, d_o: ``[B, T, HV, V]``; t: ``[B, HV, T,
+      C]``; states, d_next: ``[B, HV, T / C, K, V]`` (the chunks' entry
+      states and their exit states' cotangents): one 16-bit dtype; K = V in
+      {64, 128}, T a multiple of 64.
+    g: ``[B, HV, T]`` float32 chunk-local cumulative log gate; b: ``[B, HV,
+      T]`` float32 beta.
+    scale: Python float multiplying q.
+
+  Returns:
+    ``(dq, dk [B, T, HV, K] in q's dtype, dv [B, T, HV, V] in v's dtype,
+    db, da [B, HV, T] float32)``: per value head (grouped heads are summed
+    by the caller); da the cotangent of the log gate's increments.
+  """
+  bsz, t_len, h, width = q.shape
+  heads = v.shape[2]
+  if v.shape[3] != width or width not in (64, 128):
+    raise ValueError(f"chunk_backward needs K = V in (64, 128); got "
+                     f"{width}, {v.shape[3]}")
+  dtype, f32 = q.dtype, jnp.float32
+  tile, square = compat.smem((C, width), dtype), compat.smem((C, C), dtype)
+  state = compat.smem((width, width), dtype)
+  vec = plgpu.SMEM((C,), f32)
+  once = lambda n=1: plgpu.Barrier(num_arrivals=n)
+  scratch = [tile, tile, tile, tile, square, state, state, vec, vec, vec, vec,
+             tile, tile, tile, square, square, tile, vec, vec, vec, vec,
+             once(_FIRST), once(_SECOND), once(), once(), once(), once(),
+             once(), once(), once(3)]
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, width), dtype),
+              jax.ShapeDtypeStruct((bsz, t_len, heads, width), dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype),
+              jax.ShapeDtypeStruct(b.shape, f32),
+              jax.ShapeDtypeStruct(g.shape, f32)]
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
+  return mg.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
+      num_threads=3, thread_name="wg",
+      kernel_name="deltajax_mosaic_chunk_backward",
+      )(q, k, v, d_o, t, g, b, states, d_next)
