@@ -15,6 +15,7 @@ import pytest
 import deltajax
 from deltajax import pallas
 from deltajax import mosaic
+from deltajax.mosaic import chunk_backward
 from deltajax.mosaic import compat
 from deltajax.mosaic import intra
 from deltajax.mosaic import ops
@@ -639,6 +640,50 @@ def test_fused_reverse_agrees_with_the_unfused_one():
       _mosaic_vjp(args, cts, fused_reverse=True, **options)
 
 
+def test_fused_grads_agree_with_the_two_kernels():
+  """The output's backward and ut_backward as one kernel
+  (``fused_grads``: :func:`chunk_backward.chunk_backward`, Delta and
+  dDelta formed again, neither saved by the forward nor written by the
+  reverse pass) give the two kernels' gradients (with a float32 share of dk
+  from the output's: ``narrow_dk=False``) to float32 rounding, over three
+  chunks; one CTA a pass (the interpreter can stall with several
+  three-warpgroup CTAs on two cores). Refused where it does not run."""
+  args, cts = _contract_inputs(11, length=192, value_heads=1, key_dim=64,
+                               value_dim=64)
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=True,
+                                        **options))
+            for options in (dict(fused_grads=True), dict(narrow_dk=False))]
+  for i, (got, want) in enumerate(zip(*leaves)):
+    got, want = (np.asarray(x, np.float64) for x in (got, want))
+    assert utils.relative_rms_error(got, want) < 1e-6, i
+  for options in (dict(fused_reverse=False), dict(schedule="one")):
+    with pytest.raises(ValueError, match="fused_grads needs"):
+      _mosaic_vjp(args, cts, fused_grads=True, **options)
+  args, cts = _contract_inputs(11, length=64, value_heads=1, key_dim=128,
+                               value_dim=64)
+  with pytest.raises(ValueError, match="fused_grads needs"):
+    _mosaic_vjp(args, cts, fused_grads=True, fused_reverse=True)
+
+
+def test_fused_grads_match_float64():
+  """``fused_grads`` with grouped value heads (dq and dk per value head in
+  16 bits, summed in float32) and K padded (48 -> 64): every gradient
+  within fla's tolerances of float64."""
+  args, cts = _contract_inputs(12, length=128, value_heads=2, key_dim=48,
+                               value_dim=64)
+  with jax.enable_x64(True):
+    ref = jax.vjp(lambda q, k, v, a, b, s0: deltajax.gated_delta(
+        q, k, v, a[..., 0], b, initial_state=s0, impl="chunked", scale=0.125,
+        return_final_state=True),
+                  *(jnp.asarray(x, jnp.float64) for x in args))[1](
+                      tuple(jnp.asarray(c, jnp.float64) for c in cts))
+  got = _mosaic_vjp(args, cts, fused_reverse=True, fused_grads=True)[1]
+  for name, x, want in zip(("dq", "dk", "dv", "da", "db", "dh0"), got, ref):
+    err = utils.relative_rms_error(np.asarray(x, np.float64),
+                                   np.asarray(want, np.float64))
+    assert err < TOLERANCES[name], (name, err)
+
+
 def test_backward_kernels_agree_with_the_pallas_ones():
   """Each backward kernel in Mosaic GPU alone, and all of them, against the
   Pallas backward on the same saved values (``backward=()``): the gradients
@@ -786,7 +831,7 @@ def test_kernels_lower_for_the_gpu(schedule):
   that each kernel's shared memory fits in 227 KB (the per-channel scan at
   K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
   ut_backward 111 KB, the scores' backward 200 KB with grouped value
-  heads). Under ``jax_enable_x64``, as the other tests run
+  heads, chunk_backward 226 KB). Under ``jax_enable_x64``, as the other tests run
   them: an array the wrappers create (the map pass's identity, say) must
   not come out float64."""
   mg = compat.Mosaic(interpret=False)
@@ -808,6 +853,9 @@ def test_kernels_lower_for_the_gpu(schedule):
       (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
       (forward, scan_args),
       (unsaved, scan_args),
+      # The states saved without Delta (for chunk_backward).
+      (lambda *x: scan.forward(mg, *x, scale=0.1, save=True, deltas=False,
+                               schedule=schedule), scan_args),
       # The scan in two pieces, and the map pass of the first.
       (lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
                                schedule=schedule, pieces=scan.Pieces(2, 1)),
@@ -874,6 +922,17 @@ def test_kernels_lower_for_the_gpu(schedule):
          (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
           shape(1, 2, 128, 128, dtype=jnp.float32)))
         for _ in ((0,) if schedule != "one" else ())),
+      # Without dDelta, and the chunk-parallel backward in one kernel
+      # (K = V = 64 and 128; 226 KB of shared memory at 128).
+      *((lambda *x: reverse.specialized(mg, *x, scale=0.1, deltas=False),
+         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
+          shape(1, 2, 128, 128, dtype=jnp.float32)))
+        for _ in ((0,) if schedule != "one" else ())),
+      *((lambda *x: chunk_backward.chunk_backward(mg, *x, scale=0.1),
+         (shape(1, 128, 1, d), shape(1, 128, 1, d), shape(1, 128, 2, d), vec,
+          vec, shape(1, 2, 128, 64), shape(1, 2, 2, d, d),
+          shape(1, 2, 2, d, d), shape(1, 128, 2, d)))
+        for d in ((64, 128) if schedule != "one" else ())),
       # The reverse passes in two pieces, and the second's local pass.
       *((lambda *x, local=local: reverse.specialized(
           mg, *x, scale=0.1, local=local,

@@ -22,7 +22,12 @@ states, Delta, at those padded head dims), so nothing is recomputed. With
 ``fused_reverse`` (and the scan's three warpgroups), the reverse pass has
 three too and forms W and the output's share of dDelta itself
 (:func:`reverse.specialized`): no ``ut.w_u``, and no float32 dDelta_local
-through HBM.
+through HBM. With ``fused_grads`` (and ``fused_reverse``), the output's
+backward and the backward through the UT transform are one kernel of three
+warpgroups (:func:`chunk_backward.chunk_backward`) that forms Delta and
+dDelta again from the states and their cotangents: the forward saves no
+Delta, the reverse pass writes no dDelta, and the output's share of dk
+stays in shared memory (three ``[B, T, HV, V]`` temporaries fewer).
 
 A per-channel gate (KDA, ``a [B, T, HV, K]``): the Pallas kernels form the
 gate, the decayed operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, the
@@ -109,16 +114,16 @@ def _w_u(mg, k, v, g, b, t, *, values, deferred):
 
 
 def _reverse(mg, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
-             maps=None, **options):
+             maps=None, deltas=True, **options):
   """:func:`reverse.backward` on the Pallas pass's arguments: per channel
   (``decayed``: ``(Q e^g, K e^{g_C - g})``; g at each chunk's end), those
   in place of q and k; :func:`reverse.specialized` where W is left to it
-  (it forms dDelta_local too). With ``maps`` (of the forward's pieces but
-  the first, ``[P - 1, B, HV, K, K]``), in those pieces
-  (:func:`_reverse_in_pieces`)."""
+  (it forms dDelta_local too; without ``deltas`` it writes no dDelta).
+  With ``maps`` (of the forward's pieces but the first, ``[P - 1, B, HV,
+  K, K]``), in those pieces (:func:`_reverse_in_pieces`)."""
   if isinstance(w, _WFromT):
     run = functools.partial(reverse.specialized, mg, q, k, w.t, g, w.beta,
-                            d_o, scale=scale)
+                            d_o, scale=scale, deltas=deltas)
   else:
     if decayed is not None:
       q, k = decayed
@@ -495,7 +500,9 @@ def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
   return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:]), m
 
 
-def _forward(plan, scale, q, k, v, a, b, initial_state, save):
+def _forward(plan, scale, q, k, v, a, b, initial_state, save, deltas=True):
+  """The outputs and, with ``save``, the backward's residuals (Delta among
+  them where ``deltas``)."""
   schedule, inverse, pieces, scores, keep_gates = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
@@ -516,7 +523,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
                              mapped=pieces if save else pieces - 1,
                              schedule=schedule, channel=channel)
   o, final, *saved = scan.forward(
-      mg, q, k, vp, t, g, beta, s0, scale=scale, save=save,
+      mg, q, k, vp, t, g, beta, s0, scale=scale, save=save, deltas=deltas,
       schedule=schedule, channel=channel,
       pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces))
   final = final[pieces - 1::pieces]  # the last piece's
@@ -531,7 +538,9 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   kept = None
   if g_whole is not None:  # Q e^g and K e^{g_C - g} with g
     kept = tuple(x[..., :kp] for x in (g_whole, q, channel[0]))
-  return outputs, ((t, states[..., :kp, :vp], delta[..., :vp],
+  if delta is not None:
+    delta = delta[..., :vp]
+  return outputs, ((t, states[..., :kp, :vp], delta,
                     None if channel is None else channel[1], kept), maps)
 
 
@@ -547,9 +556,10 @@ def _mosaic(scale, plan, backward, q, k, v, a, b, initial_state):
 
 
 def _fwd(scale, plan, backward, q, k, v, a, b, initial_state):
-  del backward
+  # Delta is formed again by chunk_backward (fused_grads).
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
-                                    initial_state, save=True)
+                                    initial_state, save=True,
+                                    deltas=not backward[3])
   return outputs, ((q, k, v, a, b, initial_state, None, None, None, saved),
                    maps)
 
@@ -583,6 +593,7 @@ def _kernel_options(schedule, names, narrow_dk, fused_reverse, fused_grads):
   options["output"]["narrow_dk"] = narrow_dk
   options["output"]["local_delta"] = not fused_reverse
   options["output"]["fused"] = fused_grads
+  options["reverse"]["deltas"] = not fused_grads
   return options
 
 

@@ -82,11 +82,13 @@ class _Shared(NamedTuple):
   final: object   # barrier: dS of the final state arrived
 
 
-def _outputs(refs, local):
+def _outputs(refs, local, deltas=True):
   """``(d_delta_ref, d_next_ref, d_initial_ref, scratch)`` (a ``local``
-  pass has only d_initial)."""
+  pass has only d_initial; without ``deltas``, no d_delta)."""
   if local:
     return None, None, refs[0], refs[1:]
+  if not deltas:
+    return (None, *refs[:2], refs[2:])
   return (*refs[:3], refs[3:])
 
 
@@ -238,8 +240,10 @@ class _Formed(NamedTuple):
 
 
 def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
-                      dfinal_ref, *refs, groups, scale, pieces, local):
-  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
+                      dfinal_ref, *refs, groups, scale, pieces, local,
+                      deltas):
+  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local,
+                                                             deltas)
   sh = _Formed(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
@@ -330,11 +334,13 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         mg.store_transposed(sh.ds, ds_lo)
-        mg.store_transposed(sh.out, d_delta_t.astype(dtype))
+        if deltas:
+          mg.store_transposed(sh.out, d_delta_t.astype(dtype))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
-        plgpu.copy_smem_to_gmem(sh.out, d_delta_ref.at[bi, pl.ds(n * C, C),
-                                                      h, cols])
+        if deltas:
+          plgpu.copy_smem_to_gmem(
+              sh.out, d_delta_ref.at[bi, pl.ds(n * C, C), h, cols])
 
       (ds_t,) = mg.products(
           [([(read_t.astype(dtype), sh.q.at[slot]),
@@ -358,7 +364,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
 
 
 def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
-                local=False):
+                local=False, deltas=True):
   """:func:`backward` (``transposed``, per head) forming W and
   dDelta_local itself, in three warpgroups.
 
@@ -372,6 +378,9 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
       exit state.
     scale: Python float multiplying q.
     pieces, local: as for :func:`backward`.
+    deltas: write dDelta (False: d_delta is None, for
+      :func:`deltajax.mosaic.chunk_backward.chunk_backward`, which forms it
+      again).
 
   Returns:
     :func:`backward`'s ``(d_delta, d_next, d_initial)``, or with ``local``
@@ -381,7 +390,8 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
   pieces = _whole(pieces, t_len)
-  out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
+  out_type = _out_type(d_o.shape if deltas else None, dtype,
+                       (bsz, heads, t_len // C, dk, dv),
                        (d_final.shape[0], heads, dv, dk), local)
   keys = compat.smem((SLOTS, C, dk), dtype)
   square = compat.smem((SLOTS, C, C), dtype)
@@ -397,7 +407,7 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
              plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
                                          scale=scale, pieces=pieces,
-                                         local=local)
+                                         local=local, deltas=deltas)
   *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
@@ -405,7 +415,9 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
       kernel_name="deltajax_mosaic_reverse_specialized",
   )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3))
   d_initial = jnp.swapaxes(d_initial, 2, 3)
-  return d_initial if local else (*outs, d_initial)
+  if local:
+    return d_initial
+  return (*([] if deltas else [None]), *outs, d_initial)
 
 
 def _whole(pieces, t_len):
@@ -414,14 +426,14 @@ def _whole(pieces, t_len):
 
 
 def _out_type(d_delta, dtype, d_next, d_initial, local):
-  """The reverse pass's output types from their shapes: dDelta and
-  ``d_next`` (not in a ``local`` pass) in ``dtype``, ``d_initial``
-  float32."""
+  """The reverse pass's output types from their shapes: dDelta (where its
+  shape is not None) and ``d_next`` (not in a ``local`` pass) in
+  ``dtype``, ``d_initial`` float32."""
   initial = jax.ShapeDtypeStruct(d_initial, jnp.float32)
   if local:
     return [initial]
-  return [jax.ShapeDtypeStruct(d_delta, dtype),
-          jax.ShapeDtypeStruct(d_next, dtype), initial]
+  deltas = [] if d_delta is None else [jax.ShapeDtypeStruct(d_delta, dtype)]
+  return [*deltas, jax.ShapeDtypeStruct(d_next, dtype), initial]
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,

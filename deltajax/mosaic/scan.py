@@ -359,12 +359,13 @@ class _Chunk(NamedTuple):
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, schedule, per_channel, pieces, maps):
+          scale, save, deltas, schedule, per_channel, pieces, maps):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
   refs = refs[2:] if per_channel else refs
   o_ref, final_ref, *refs = (None, *refs) if maps else refs
-  states_ref, delta_ref = refs[:2] if save else (None, None)
-  refs = refs[2:] if save else refs
+  saved = (1 + deltas) if save else 0
+  states_ref, delta_ref = (*refs[:saved], None, None)[:2]
+  refs = refs[saved:]
   sh, sync = _shared(refs, per_channel, schedule, maps)
   carried = _carried(schedule, save, maps)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -420,7 +421,9 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     if save:
       plgpu.copy_smem_to_gmem(x.sh.s,
                               states_ref.at[bi, h, first + n, :, cols])
-      plgpu.copy_smem_to_gmem(x.sh.d_hi, delta_ref.at[bi, x.tokens, h, cols])
+      if deltas:
+        plgpu.copy_smem_to_gmem(x.sh.d_hi,
+                                delta_ref.at[bi, x.tokens, h, cols])
 
   def begin(n):
     """Chunk n of the one-warpgroup schedule, once its tiles are in, the
@@ -563,7 +566,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            schedule="one", channel=None, pieces=None):
+            deltas=True, schedule="one", channel=None, pieces=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -576,6 +579,9 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       the ``P = pieces.count`` pieces of each sequence.
     scale: Python float multiplying q.
     save: also return the chunk-entry states and Delta.
+    deltas: with ``save``, Delta too (False: None in its place, for
+      :func:`deltajax.mosaic.chunk_backward.chunk_backward`, which forms
+      it again).
     schedule: one of :data:`SCHEDULES`.
     channel: for a per-channel gate (schedule "one" only), ``(kd, p)``:
       ``K e^{g_C - g} [B, T, HV, K]`` in q's dtype and ``P = scale Gamma *
@@ -595,8 +601,8 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
   if pieces.count * pieces.length * C != k.shape[1]:
     raise ValueError(f"{pieces} do not cover T = {k.shape[1]}")
   return _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
-                 save=save, schedule=schedule, channel=channel,
-                 pieces=pieces, maps=False)
+                 save=save, deltas=deltas, schedule=schedule,
+                 channel=channel, pieces=pieces, maps=False)
 
 
 def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
@@ -631,7 +637,7 @@ def _carried(schedule, save, maps):
 
 
 def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
-            channel, pieces, maps):
+            channel, pieces, maps, deltas=True):
   """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
   initial state's columns past v's the identity's) the final states
   alone."""
@@ -652,7 +658,7 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
     out_type.insert(0, jax.ShapeDtypeStruct(v.shape, dtype))
   if save:
     out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
-                 jax.ShapeDtypeStruct(v.shape, dtype)]
+                 *([jax.ShapeDtypeStruct(v.shape, dtype)] if deltas else [])]
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
   tile = compat.smem((C, BV), dtype)
   copies = (2,) if transposed else ()  # of each _PUBLISHED tile
@@ -680,7 +686,7 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
                 plgpu.Barrier(num_arrivals=len(roles))]
     threads = dict(num_threads=len(roles), thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             save=save, schedule=schedule,
+                             save=save, deltas=deltas, schedule=schedule,
                              per_channel=per_channel, pieces=pieces,
                              maps=maps)
   rows = bsz * pieces.count
@@ -694,4 +700,6 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
   final = outs[0 if maps else 1]
   if transposed:
     final = jnp.swapaxes(final, 2, 3)
-  return (final,) if maps else (outs[0], final, *outs[2:])
+  if maps:
+    return (final,)
+  return (outs[0], final, *outs[2:], *([None] if save and not deltas else []))
