@@ -201,6 +201,23 @@ def test_mosaic_fused_reverse_matches_float64_reference(t, d, hv):
 
 
 @_needs_hopper
+@pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
+                                    (1000, 128, 4)])
+def test_mosaic_fused_grads_matches_float64_reference(t, d, hv):
+  """The output's backward and ut_backward as one three-warpgroup kernel
+  that forms Delta and dDelta again (``fused_grads``:
+  :func:`deltajax.mosaic.chunk_backward.chunk_backward`), called directly;
+  with grouped value heads, dq and dk per value head in 16 bits."""
+  def fused(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(
+        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
+        chunk_size=mosaic.CHUNK, fused_grads=True)
+  t = t // 64 * 64  # called directly: T a multiple of the chunk
+  args, cts = _inputs(t, d, seed=t * 1000 + d + 11, hv=hv)
+  _check(fused, args, cts, label=f"fused grads T={t} D={d} HV={hv}")
+
+
+@_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
 def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
