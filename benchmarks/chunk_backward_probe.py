@@ -1,7 +1,7 @@
 """The Mosaic GPU chunk_backward alone against the two kernels it replaces.
 
     MOSAIC_GPU_DUMP_PTXAS=1 python -m benchmarks.chunk_backward_probe \\
-        --registers 128,224,152 136,216,152 152,208,144
+        --registers 104,216,184 128,208,168 104,232,168
 
 Times :func:`deltajax.mosaic.chunk_backward.chunk_backward` at each
 register split of its three warpgroups (``REGISTERS``: multiples of 8

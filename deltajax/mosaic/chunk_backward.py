@@ -50,33 +50,19 @@ _FIRST = 8  # TMA copies WG0 waits for first: k, v, T, S, the gate, beta twice
 _SECOND = 3  # then q, dO, dS'
 # Registers per thread of WG0, WG1, WG2: at most 3 x 168 in all (the launch
 # share of 384 threads), multiples of 8.
-REGISTERS = (128, 224, 152)
+REGISTERS = (104, 216, 184)
 _LAUNCH_REGISTERS = 168
 
 
-def _set_registers(mg, n):
-  """This warpgroup's budget moved from the launch share to ``n``."""
+def _enter(mg, wg, *inputs):
+  """Warpgroup ``wg``'s register budget moved from the launch share to its
+  share of :data:`REGISTERS`, then the wait for its ``inputs``
+  (barriers)."""
+  n = REGISTERS[wg]
   mg.set_max_registers(n, action="increase" if n > _LAUNCH_REGISTERS
                        else "decrease")
-
-
-def _gamma(mg, g_rows, g_cols, keep, *, transposed=False):
-  """``e^{g_i - g_j}`` (``transposed``: ``e^{g_j - g_i}``) at row ``i``,
-  column ``j`` where ``keep(rows, cols)``, else 0 (masked before exp, seed
-  section 4.1); the gate in ``g_rows`` and ``g_cols``."""
-  square = (C, C)
-  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-  diff = (compat.rows(mg.load(g_rows, ROWS), square)
-          - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]))
-  return jnp.exp(jnp.where(keep(rows, cols), -diff if transposed else diff,
-                           -jnp.inf))
-
-
-def _store(value, staging, dst):
-  """``value`` to HBM at ``dst`` through the shared ``staging`` tile."""
-  staging[...] = value.astype(staging.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(staging, dst)
+  for barrier in inputs:
+    plgpu.barrier_wait(barrier)
 
 
 def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
@@ -96,7 +82,7 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
 
   @pl.when(wg == 0)
   def _output():
-    _set_registers(mg, REGISTERS[0])
+    _enter(mg, 0)
     compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
                     (v_ref.at[bi, tokens, h], v_s),
                     (t_ref.at[bi, h, tokens], t_s),
@@ -119,30 +105,30 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.commit_smem()
     plgpu.barrier_arrive(delta_ready)
     plgpu.barrier_wait(second)
-    dp, dq = mg.products([([(do_s, compat.T(delta_s))], square, None),
-                          ([(do_s, compat.T(s_s))], tile, None)])
-    dp = scale * _gamma(mg, g_rows, g_cols, lambda r, c: r >= c) * dp
-    dp_s[...] = dp.astype(dp_s.dtype)
+    # One product at a time (this warpgroup is off the critical path, and
+    # so holds few registers).
+    dp = mg.mm([(do_s, compat.T(delta_s))], square)
+    dp_s[...] = (scale * compat.decay(mg, g, mg.load(g_cols, COLS)) * dp
+                 ).astype(dp_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dp_ready)
+    dq = mg.mm([(do_s, compat.T(s_s))], tile)
     dq = mg.mm([(dp_s, k_s)], tile,
                compat.rows(scale * jnp.exp(g), tile) * dq)
     dgq_s[...] = jnp.sum(load(q_s) * dq, axis=1)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dgq_ready)
-    _store(dq, y_s, dq_ref.at[bi, tokens, h])  # Y was read
+    compat.copy_out(dq, y_s, dq_ref.at[bi, tokens, h])  # Y was read
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
   def _values():
-    _set_registers(mg, REGISTERS[1])
-    plgpu.barrier_wait(first)
-    plgpu.barrier_wait(second)
+    _enter(mg, 1, first, second)
     g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
     # P^T: the keys' rows, the queries' columns.
-    p_t = scale * _gamma(mg, g_rows, g_cols, lambda r, c: c >= r,
-                         transposed=True) * mg.mm([(k_s, compat.T(q_s))],
-                                                  square)
+    p_t = scale * compat.decay(mg, g, mg.load(g_cols, COLS),
+                               transposed=True) * mg.mm(
+                                   [(k_s, compat.T(q_s))], square)
     local, kds = mg.products([([(p_t.astype(k_s.dtype), do_s)], tile, None),
                               ([(k_s, dn_s)], tile, None)])
     dd_s[...] = (local + compat.rows(jnp.exp(g_end() - g), tile) * kds
@@ -159,7 +145,8 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     db = jnp.sum(d_xv * load(v_s), axis=1)
     plgpu.barrier_wait(delta_ready)  # WG0 has read v
     plgpu.commit_smem()  # and so have this warpgroup's warps
-    _store(compat.rows(beta, tile) * d_xv, v_s, dv_ref.at[bi, tokens, h])
+    compat.copy_out(compat.rows(beta, tile) * d_xv, v_s,
+                    dv_ref.at[bi, tokens, h])
     d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), tile),
                       axis=1)
     dg1_s[...] = beta * d_xk_kg
@@ -177,26 +164,26 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     minus_dm, kk = mg.products([([(r_hi, compat.T(t_s)),
                                   (r_lo, compat.T(t_s))], square, None),
                                 ([(k_s, compat.T(k_s))], square, None)])
-    gamma = _gamma(mg, g_rows, g_cols, lambda r, c: r > c)
+    gamma = compat.decay(mg, g, mg.load(g_cols, COLS), strict=True)
     de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
         de_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(de_ready)
-    _store(db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1), db_s,
-           db_ref.at[bi, h, tokens])
+    compat.copy_out(db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1),
+                    db_s, db_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _keys():
-    _set_registers(mg, REGISTERS[2])
-    plgpu.barrier_wait(first)
-    plgpu.barrier_wait(second)
-    # rowsum(dS' * S) by blocks of 64 rows: only its total is used.
+    _enter(mg, 2, first, second)
+    # rowsum(dS' * S) by [64, 64] blocks: only its total is used.
     ds_sum = None
-    for r in range(width // 64):
-      rows = pl.ds(r * 64, 64)
-      part = jnp.sum(load(s_s.at[rows]) * load(dn_s.at[rows]), axis=1)
-      ds_sum = part if ds_sum is None else ds_sum + part
+    blocks = [pl.ds(i * 64, 64) for i in range(width // 64)]
+    for rows in blocks:
+      for cols in blocks:
+        part = jnp.sum(load(s_s.at[rows, cols]) * load(dn_s.at[rows, cols]),
+                       axis=1)
+        ds_sum = part if ds_sum is None else ds_sum + part
     g = mg.load(g_rows, ROWS)
     plgpu.barrier_wait(delta_ready)
     (d_k_end,) = mg.products([([(delta_s, compat.T(dn_s))], tile, None)])
@@ -215,7 +202,7 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
         ([(de_s, k_s)], tile, plus)])
     dg = dg + jnp.sum(load(k_s) * (plus - minus), axis=1)
     dk = plus + minus
-    _store(dk, dk_s, dk_ref.at[bi, tokens, h])
+    compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
     # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
     g_end_share = (_column_sums(mg, end_share, vec_s, C)
                    + jnp.exp(g_end()) * _column_sums(mg, ds_sum, vec_s, C))
@@ -223,7 +210,7 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.barrier_wait(dg1_ready)
     dg = dg + mg.load(dgq_s, ROWS) + mg.load(dg1_s, ROWS)
     da = _column_sums(mg, dg, vec_s, None) + g_end_share
-    _store(da, vec_s, da_ref.at[bi, h, tokens])
+    compat.copy_out(da, vec_s, da_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (as the scan's).

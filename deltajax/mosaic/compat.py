@@ -81,11 +81,34 @@ def rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
+def decay(mg, g_row, g_col, *, strict=False, transposed=False):
+  """``Gamma [C, C]``, ``e^{g_i - g_j}`` at row i, column j for ``j <= i``
+  (``strict``: ``j < i``), else 0, masked before exp (GDN seed, section
+  4.1); ``transposed``: its transpose. ``g_row``, ``g_col``: the chunk's
+  gate as a per-row (ROWS) and a per-column (COLS) vector."""
+  square = (g_row.shape[0], g_col.shape[0])
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  diff = (lax.broadcast_in_dim(g_row, square, [0])
+          - lax.broadcast_in_dim(g_col, square, [1]))
+  if transposed:
+    rows, cols, diff = cols, rows, -diff
+  keep = rows > cols if strict else rows >= cols
+  return jnp.exp(jnp.where(keep, diff, -jnp.inf))
+
+
 def copy_in(copies, barrier):
   """TMA copies of ``(source in HBM, destination in shared memory)`` pairs,
   all arriving on ``barrier`` (whose arrival count is their number)."""
   for src, dst in copies:
     plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
+def copy_out(value, staging, dst):
+  """``value`` to HBM at ``dst`` (a TMA copy) through the shared
+  ``staging`` tile."""
+  staging[...] = value.astype(staging.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dst)
 
 
 def smem(shape, dtype):

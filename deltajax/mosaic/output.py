@@ -36,13 +36,6 @@ from deltajax.mosaic.ut import C
 _INPUTS = 7  # TMA copies: q, k, the gate twice, S, Delta, dO
 
 
-def _store(value, staging, dst):
-  """``value`` to HBM at ``dst`` through the shared ``staging`` tile."""
-  staging[...] = value.astype(staging.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(staging, dst)
-
-
 def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
           scale, local_delta):
   if local_delta:
@@ -62,12 +55,8 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
                   (do_ref.at[bi, tokens, h], do_s)), bar)
   plgpu.barrier_wait(bar)
   square = (C, C)
-  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   g = mg.load(g_rows, ROWS)
-  # scale Gamma on j <= i, masked before exp (seed, section 4.1).
-  gamma = scale * jnp.exp(jnp.where(
-      rows >= cols, lax.broadcast_in_dim(g, square, [0])
-      - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]), -jnp.inf))
+  gamma = scale * compat.decay(mg, g, mg.load(g_cols, COLS))
   qk, dp = mg.products([([(q_s, compat.T(k_s))], square, None),
                         ([(do_s, compat.T(delta_s))], square, None)])
   p_s[...] = (gamma * qk).astype(p_s.dtype)
@@ -80,12 +69,12 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
       *([([(compat.T(p_s), do_s)], do_s.shape, None)] if local_delta
         else [])])
   if local_delta:
-    _store(dd[0], dd_s, dd_ref.at[bi, tokens, h])
-  _store(dk, dk_s, dk_ref.at[bi, tokens, h])
+    compat.copy_out(dd[0], dd_s, dd_ref.at[bi, tokens, h])
+  compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
   (dq,) = mg.products([([(dp_s, k_s)], dk_keys,
                         lax.broadcast_in_dim(scale * jnp.exp(g), dk_keys, [0])
                         * dq)])
-  _store(dq, dq_s, dq_ref.at[bi, tokens, h])
+  compat.copy_out(dq, dq_s, dq_ref.at[bi, tokens, h])
   q, k = mg.load(q_s, WGMMA), mg.load(k_s, WGMMA)
   dg_s[...] = (jnp.sum(q.astype(jnp.float32) * dq, axis=1)
                - jnp.sum(k.astype(jnp.float32) * dk, axis=1))

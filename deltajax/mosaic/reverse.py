@@ -299,11 +299,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       w, qk = mg.products([
           ([(sh.t.at[slot], sh.kb)], keys, None),
           ([(sh.q.at[slot], compat.T(sh.k.at[slot]))], square, None)])
-      causal = mg.iota(square, 0) >= mg.iota(square, 1)
-      # scale Gamma on j <= i, masked before exp (seed, section 4.1).
-      gamma = scale * jnp.exp(jnp.where(
-          causal, compat.rows(g, square) - lax.broadcast_in_dim(
-              mg.load(sh.g.at[slot], COLS), square, [1]), -jnp.inf))
+      gamma = scale * compat.decay(mg, g, mg.load(sh.g.at[slot], COLS))
       sh.w.at[slot][...] = w.astype(dtype)
       sh.p.at[slot][...] = (gamma * qk).astype(dtype)
       plgpu.commit_smem()

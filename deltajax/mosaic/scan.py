@@ -286,13 +286,9 @@ class _Chunk(NamedTuple):
 
   def scores(self, qk, scale):
     """``P = scale Gamma * Q K^T`` from ``qk``: its bf16 halves."""
-    square = (C, C)
-    rows, cols = self.mg.iota(square, 0), self.mg.iota(square, 1)
     g_row, _ = self.gates()
-    g_col = self.mg.load(self.sh.g_cols.at[self.slot], COLS)
-    gamma = jnp.exp(jnp.where(
-        rows >= cols, compat.rows(g_row, square)
-        - lax.broadcast_in_dim(g_col, square, [1]), -jnp.inf))
+    gamma = compat.decay(self.mg, g_row,
+                         self.mg.load(self.sh.g_cols.at[self.slot], COLS))
     return ut.halves(scale * gamma * qk, self.dtype)
 
   def p_delta(self, p):

@@ -78,13 +78,9 @@ def _body(mg, k_ref, g_ref, b_ref, t_ref, k_s, g_rows, g_cols, b_s, hi_s,
                   (b_ref.at[bi, h, tokens], b_s)), bar)
   plgpu.barrier_wait(bar)
   kk = mg.mm([(k_s, compat.T(k_s))], (C, C))
-  rows, cols = mg.iota((C, C), 0), mg.iota((C, C), 1)
-  g_row, g_col = mg.load(g_rows, ROWS), mg.load(g_cols, COLS)
-  # diag(b) (Gamma * K K^T), the decay masked before exp (seed, section 4.1).
-  gamma = jnp.exp(jnp.where(rows > cols,
-                            lax.broadcast_in_dim(g_row, (C, C), [0])
-                            - lax.broadcast_in_dim(g_col, (C, C), [1]),
-                            -jnp.inf))
+  # diag(b) (Gamma * K K^T).
+  gamma = compat.decay(mg, mg.load(g_rows, ROWS), mg.load(g_cols, COLS),
+                       strict=True)
   a = lax.broadcast_in_dim(mg.load(b_s, ROWS), (C, C), [0]) * gamma * kk
   t_s[...] = _invert(mg, a, hi_s, lo_s).astype(t_s.dtype)
   plgpu.commit_smem()

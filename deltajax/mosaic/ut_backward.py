@@ -199,11 +199,7 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     dk = dk + mg.load(dkout_s, WGMMA).astype(jnp.float32)
 
     # M = diag(b) A: db's share, then dA = diag(b) dM through A.
-    rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-    gamma = jnp.exp(jnp.where(
-        rows > cols, compat.rows(g, square)
-        - lax.broadcast_in_dim(mg.load(g_cols, COLS), square, [1]),
-        -jnp.inf))
+    gamma = compat.decay(mg, g, mg.load(g_cols, COLS), strict=True)
     d_b = db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1)
     de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
         de_s.dtype)
