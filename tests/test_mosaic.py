@@ -669,18 +669,20 @@ def test_fused_reverse_agrees_with_the_unfused_one():
       _mosaic_vjp(args, cts, fused_reverse=True, **options)
 
 
-def test_fused_grads_agree_with_the_two_kernels():
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_fused_grads_agree_with_the_two_kernels(pieces):
   """The output's backward and ut_backward as one kernel
   (``fused_grads``: :func:`chunk_backward.chunk_backward`, Delta and
   dDelta formed again, neither saved by the forward nor written by the
   reverse pass) give the two kernels' gradients (with a float32 share of dk
-  from the output's: ``narrow_dk=False``) to float32 rounding, over three
-  chunks; one CTA a pass (the interpreter can stall with several
-  three-warpgroup CTAs on two cores). Refused where it does not run."""
-  args, cts = _contract_inputs(11, length=192, value_heads=1, key_dim=64,
+  from the output's: ``narrow_dk=False``) to float32 rounding, over four
+  chunks, whole or in two pieces; one CTA a pass (the interpreter can stall
+  with several three-warpgroup CTAs on two cores). Refused where it does
+  not run."""
+  args, cts = _contract_inputs(11, length=256, value_heads=1, key_dim=64,
                                value_dim=64)
   leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=True,
-                                        **options))
+                                        pieces=pieces, **options))
             for options in (dict(fused_grads=True), dict(narrow_dk=False))]
   for i, (got, want) in enumerate(zip(*leaves)):
     got, want = (np.asarray(x, np.float64) for x in (got, want))
