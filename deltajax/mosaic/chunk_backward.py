@@ -44,7 +44,6 @@ from deltajax.mosaic import compat
 from deltajax.mosaic import ut
 from deltajax.mosaic.compat import COLS, ROWS, WGMMA
 from deltajax.mosaic.ut import C
-from deltajax.mosaic.ut_backward import _column_sums
 
 _FIRST = 8  # TMA copies WG0 waits for first: k, v, T, S, the gate, beta twice
 _SECOND = 3  # then q, dO, dS'
@@ -204,12 +203,12 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     dk = plus + minus
     compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
     # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
-    g_end_share = (_column_sums(mg, end_share, vec_s, C)
-                   + jnp.exp(g_end()) * _column_sums(mg, ds_sum, vec_s, C))
+    g_end_share = (ut.column_sums(mg, end_share, vec_s, C)
+                   + jnp.exp(g_end()) * ut.column_sums(mg, ds_sum, vec_s, C))
     plgpu.barrier_wait(dgq_ready)
     plgpu.barrier_wait(dg1_ready)
     dg = dg + mg.load(dgq_s, ROWS) + mg.load(dg1_s, ROWS)
-    da = _column_sums(mg, dg, vec_s, None) + g_end_share
+    da = ut.column_sums(mg, dg, vec_s, None) + g_end_share
     compat.copy_out(da, vec_s, da_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 

@@ -38,6 +38,22 @@ def halves(x, dtype):
   return high, (x - high.astype(jnp.float32)).astype(dtype)
 
 
+def column_sums(mg, x, staging, width):
+  """Sums across the rows of a per-row vector ``x``, as per-row vectors of
+  length C: with ``width`` (x's length), x's total in every row; without it
+  (x of length C), ``y_i = sum_{j >= i} x_j``. Through ``staging``
+  (float32, x's length)."""
+  staging[...] = x
+  plgpu.commit_smem()  # a warpgroup barrier too: every row's value is in
+  square = (C, width or C)
+  cols = lax.broadcast_in_dim(mg.load(staging, COLS), square, [1])
+  if width is None:
+    cols = jnp.where(mg.iota(square, 1) >= mg.iota(square, 0), cols, 0.0)
+  total = jnp.sum(cols, axis=1)
+  plgpu.commit_smem()  # every row has read the staging before its reuse
+  return total
+
+
 def _split_product(mg, a, b, b_hi, b_lo):
   """``a @ b`` of float32 ``[C, C]`` values in three bf16 passes (the
   product of the rests dropped); ``b`` is staged in ``b_hi``, ``b_lo``."""

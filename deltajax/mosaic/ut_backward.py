@@ -71,22 +71,6 @@ _CHUNK_INPUTS = 7  # TMA copies: k, T, the gate twice, b twice, dg_out
 _BLOCK_INPUTS = 5  # per value block: v, dDelta, Delta, S, dS'
 
 
-def _column_sums(mg, x, staging, width):
-  """Sums across the rows of a per-row vector ``x``, as per-row vectors of
-  length C: with ``width`` (x's length), x's total in every row; without it
-  (x of length C), ``y_i = sum_{j >= i} x_j``. Through ``staging``
-  (float32, x's length)."""
-  staging[...] = x
-  plgpu.commit_smem()  # a warpgroup barrier too: every row's value is in
-  square = (C, width or C)
-  cols = lax.broadcast_in_dim(mg.load(staging, COLS), square, [1])
-  if width is None:
-    cols = jnp.where(mg.iota(square, 1) >= mg.iota(square, 0), cols, 0.0)
-  total = jnp.sum(cols, axis=1)
-  plgpu.commit_smem()  # every row has read the staging before its reuse
-  return total
-
-
 def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
   """The value blocks' shares, by blocks of BV columns in a scope of their
   own: ``(dK_end, -dW, Z = dX_v V^T, db's share, rowsum(dS' * S))``, ``[C,
@@ -218,10 +202,10 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
-    g_end_share = (_column_sums(mg, end_share, vec_s, C)
-                   + jnp.exp(g_end) * _column_sums(mg, ds_sum, key_vec_s,
+    g_end_share = (ut.column_sums(mg, end_share, vec_s, C)
+                   + jnp.exp(g_end) * ut.column_sums(mg, ds_sum, key_vec_s,
                                                    dk_dim))
-    da = _column_sums(mg, mg.load(dgout_s, ROWS) + dg, vec_s, None)
+    da = ut.column_sums(mg, mg.load(dgout_s, ROWS) + dg, vec_s, None)
     vec_s[...] = da + g_end_share
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(vec_s, da_ref.at[bi, h, tokens])
