@@ -306,8 +306,8 @@ def backward(scale, chunk_size, config, residuals, cotangents,
       k=kp, v=vp, g=g, b=beta, cuts=cuts, t=t, w=w, u=u, states=states,
       d_next=d_next, delta=delta, d_delta=d_delta, dk_out=dk_out,
       dg_out=dg_out, kr=krp, launch=launch("ut_backward"), **shared)
-  if p is None and per_channel:  # the output's backward left to ut_backward
-    (dq,) = per_channel
+  if p is None and dq is None:  # the output's backward left to ut_backward
+    dq = per_channel[-1]
   dkr = None
   if p is not None:
     d_m, *dkr = per_channel  # with read keys, ut_backward's share of dkr
