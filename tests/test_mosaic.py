@@ -669,18 +669,19 @@ def test_fused_reverse_agrees_with_the_unfused_one():
       _mosaic_vjp(args, cts, fused_reverse=True, **options)
 
 
-@pytest.mark.parametrize("pieces", [1, 2])
-def test_fused_grads_agree_with_the_two_kernels(pieces):
+@pytest.mark.parametrize("pieces,key_dim", [(1, 64), (2, 64), (1, 128)])
+def test_fused_grads_agree_with_the_two_kernels(pieces, key_dim):
   """The output's backward and ut_backward as one kernel
   (``fused_grads``: :func:`chunk_backward.chunk_backward`, Delta and
   dDelta formed again, neither saved by the forward nor written by the
   reverse pass) give the two kernels' gradients (with a float32 share of dk
   from the output's: ``narrow_dk=False``) to float32 rounding, over four
-  chunks, whole or in two pieces; one CTA a pass (the interpreter can stall
-  with several three-warpgroup CTAs on two cores). Refused where it does
-  not run."""
-  args, cts = _contract_inputs(11, length=256, value_heads=1, key_dim=64,
-                               value_dim=64)
+  chunks, whole or in two pieces, K = V and K != V (dq and dW then in
+  tiles of their own); one CTA a pass (the interpreter can stall with
+  several three-warpgroup CTAs on two cores). Refused where it does not
+  run."""
+  args, cts = _contract_inputs(11, length=256, value_heads=1,
+                               key_dim=key_dim, value_dim=64)
   leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=True,
                                         pieces=pieces, **options))
             for options in (dict(fused_grads=True), dict(narrow_dk=False))]
@@ -690,10 +691,6 @@ def test_fused_grads_agree_with_the_two_kernels(pieces):
   for options in (dict(fused_reverse=False), dict(schedule="one")):
     with pytest.raises(ValueError, match="fused_grads needs"):
       _mosaic_vjp(args, cts, fused_grads=True, **options)
-  args, cts = _contract_inputs(11, length=64, value_heads=1, key_dim=128,
-                               value_dim=64)
-  with pytest.raises(ValueError, match="fused_grads needs"):
-    _mosaic_vjp(args, cts, fused_grads=True, fused_reverse=True)
 
 
 def test_fused_grads_match_float64():
@@ -944,16 +941,17 @@ def test_kernels_lower_for_the_gpu(schedule):
           shape(1, 2, 128, 128, dtype=jnp.float32)))
         for _ in ((0,) if schedule != "one" else ())),
       # Without dDelta, and the chunk-parallel backward in one kernel
-      # (K = V = 64 and 128; 226 KB of shared memory at 128).
+      # (K, V in {64, 128}; 226 KB of shared memory at K = V = 128).
       *((lambda *x: reverse.specialized(mg, *x, scale=0.1, deltas=False),
          (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
           shape(1, 2, 128, 128, dtype=jnp.float32)))
         for _ in ((0,) if schedule != "one" else ())),
       *((lambda *x: chunk_backward.chunk_backward(mg, *x, scale=0.1),
-         (shape(1, 128, 1, d), shape(1, 128, 1, d), shape(1, 128, 2, d), vec,
-          vec, shape(1, 2, 128, 64), shape(1, 2, 2, d, d),
-          shape(1, 2, 2, d, d), shape(1, 128, 2, d)))
-        for d in ((64, 128) if schedule != "one" else ())),
+         (shape(1, 128, 1, dk), shape(1, 128, 1, dk), shape(1, 128, 2, dv),
+          vec, vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, dv),
+          shape(1, 2, 2, dk, dv), shape(1, 128, 2, dv)))
+        for dk, dv in (((64, 64), (128, 128), (128, 64), (64, 128))
+                       if schedule != "one" else ())),
       # The reverse passes in two pieces, and the second's local pass.
       *((lambda *x, local=local: reverse.specialized(
           mg, *x, scale=0.1, local=local,

@@ -27,9 +27,10 @@ warpgroups share the chunk's tiles, each with its own chain of products:
 
 Products take 16-bit operands (Delta, dDelta, dP~, dW, dE, and dX_k in
 ``Z_k = dX_k K^T``, rounded to them as the two kernels round them) with
-float32 accumulation. One CTA per (batch, chunk, value head); K = V in
-{64, 128}: 226 KB of shared memory at 128 (one CTA a multiprocessor; the
-tile of dDelta holds dW, Y's dq, v's dv).
+float32 accumulation. One CTA per (batch, chunk, value head); K and V in
+{64, 128}: 226 KB of shared memory at K = V = 128 (one CTA a
+multiprocessor; where K = V the tile of dDelta holds dW and Y's dq; v's
+holds dv).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
           t_s, s_s, dn_s, g_rows, g_cols, b_rows, b_cols, y_s, delta_s, dd_s,
           dp_s, de_s, dk_s, dgq_s, dg1_s, db_s, vec_s, first, second,
           delta_ready, dp_ready, dgq_ready, dw_ready, de_ready, dg1_ready,
-          done, *, groups, scale):
+          done, *own, groups, scale):
+  # dq staged in Y's tile and dW in dDelta's where K = V, else in their own.
+  dq_s, dw_s = own or (y_s, dd_s)
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  width = k_s.shape[1]  # K = V
-  tile, square = (C, width), (C, C)
+  keys, vals, square = k_s.shape, v_s.shape, (C, C)
   wg = lax.axis_index("wg")
   f32 = jnp.float32
   load = lambda ref: mg.load(ref, WGMMA).astype(f32)
@@ -95,12 +97,12 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
                     (dn_ref.at[bi, h, n], dn_s)), second)
     plgpu.barrier_wait(first)
     g = mg.load(g_rows, ROWS)
-    ks = mg.mm([(k_s, s_s)], tile)
-    y_s[...] = (compat.rows(mg.load(b_rows, ROWS), tile)
-                * (load(v_s) - compat.rows(jnp.exp(g), tile) * ks)
+    ks = mg.mm([(k_s, s_s)], vals)
+    y_s[...] = (compat.rows(mg.load(b_rows, ROWS), vals)
+                * (load(v_s) - compat.rows(jnp.exp(g), vals) * ks)
                 ).astype(y_s.dtype)
     plgpu.commit_smem()
-    delta_s[...] = mg.mm([(t_s, y_s)], tile).astype(delta_s.dtype)
+    delta_s[...] = mg.mm([(t_s, y_s)], vals).astype(delta_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(delta_ready)
     plgpu.barrier_wait(second)
@@ -111,13 +113,13 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
                  ).astype(dp_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dp_ready)
-    dq = mg.mm([(do_s, compat.T(s_s))], tile)
-    dq = mg.mm([(dp_s, k_s)], tile,
-               compat.rows(scale * jnp.exp(g), tile) * dq)
+    dq = mg.mm([(do_s, compat.T(s_s))], keys)
+    dq = mg.mm([(dp_s, k_s)], keys,
+               compat.rows(scale * jnp.exp(g), keys) * dq)
     dgq_s[...] = jnp.sum(load(q_s) * dq, axis=1)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dgq_ready)
-    compat.copy_out(dq, y_s, dq_ref.at[bi, tokens, h])  # Y was read
+    compat.copy_out(dq, dq_s, dq_ref.at[bi, tokens, h])  # Y was read
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -128,25 +130,25 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     p_t = scale * compat.decay(mg, g, mg.load(g_cols, COLS),
                                transposed=True) * mg.mm(
                                    [(k_s, compat.T(q_s))], square)
-    local, kds = mg.products([([(p_t.astype(k_s.dtype), do_s)], tile, None),
-                              ([(k_s, dn_s)], tile, None)])
-    dd_s[...] = (local + compat.rows(jnp.exp(g_end() - g), tile) * kds
+    local, kds = mg.products([([(p_t.astype(k_s.dtype), do_s)], vals, None),
+                              ([(k_s, dn_s)], vals, None)])
+    dd_s[...] = (local + compat.rows(jnp.exp(g_end() - g), vals) * kds
                  ).astype(dd_s.dtype)
     plgpu.commit_smem()
-    d_xv, minus_dw = mg.products([([(compat.T(t_s), dd_s)], tile, None),
-                                  ([(dd_s, compat.T(s_s))], tile, None)])
-    dd_s[...] = (-minus_dw).astype(dd_s.dtype)  # dW, dDelta read
+    d_xv, minus_dw = mg.products([([(compat.T(t_s), dd_s)], vals, None),
+                                  ([(dd_s, compat.T(s_s))], keys, None)])
+    dw_s[...] = (-minus_dw).astype(dw_s.dtype)  # dDelta read
     plgpu.commit_smem()
     plgpu.barrier_arrive(dw_ready)
     d_xk, z = mg.products([
-        ([(compat.T(t_s), dd_s)], tile, None),
+        ([(compat.T(t_s), dw_s)], keys, None),
         ([(d_xv.astype(v_s.dtype), compat.T(v_s))], square, None)])
     db = jnp.sum(d_xv * load(v_s), axis=1)
     plgpu.barrier_wait(delta_ready)  # WG0 has read v
     plgpu.commit_smem()  # and so have this warpgroup's warps
-    compat.copy_out(compat.rows(beta, tile) * d_xv, v_s,
+    compat.copy_out(compat.rows(beta, vals) * d_xv, v_s,
                     dv_ref.at[bi, tokens, h])
-    d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), tile),
+    d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), keys),
                       axis=1)
     dg1_s[...] = beta * d_xk_kg
     plgpu.commit_smem()
@@ -177,28 +179,28 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     _enter(mg, 2, first, second)
     # rowsum(dS' * S) by [64, 64] blocks: only its total is used.
     ds_sum = None
-    blocks = [pl.ds(i * 64, 64) for i in range(width // 64)]
-    for rows in blocks:
-      for cols in blocks:
+    blocks = lambda n: [pl.ds(i * 64, 64) for i in range(n // 64)]
+    for rows in blocks(keys[1]):
+      for cols in blocks(vals[1]):
         part = jnp.sum(load(s_s.at[rows, cols]) * load(dn_s.at[rows, cols]),
                        axis=1)
         ds_sum = part if ds_sum is None else ds_sum + part
     g = mg.load(g_rows, ROWS)
     plgpu.barrier_wait(delta_ready)
-    (d_k_end,) = mg.products([([(delta_s, compat.T(dn_s))], tile, None)])
-    minus = compat.rows(jnp.exp(g_end() - g), tile) * d_k_end
+    (d_k_end,) = mg.products([([(delta_s, compat.T(dn_s))], keys, None)])
+    minus = compat.rows(jnp.exp(g_end() - g), keys) * d_k_end
     end_share = jnp.sum(load(k_s) * minus, axis=1)
     # dX_k = T^T dW again (WG1 forms it too, for its products), so that
     # its share of dk is not rounded to 16 bits.
     plgpu.barrier_wait(dw_ready)
-    (d_xk,) = mg.products([([(compat.T(t_s), dd_s)], tile, None)])
-    plus = compat.rows(mg.load(b_rows, ROWS) * jnp.exp(g), tile) * d_xk
+    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    plus = compat.rows(mg.load(b_rows, ROWS) * jnp.exp(g), keys) * d_xk
     dg = -jnp.sum(load(k_s) * plus, axis=1)  # WG1 has this share
     plgpu.barrier_wait(dp_ready)
     plgpu.barrier_wait(de_ready)
     minus, plus = mg.products([
-        ([(compat.T(dp_s), q_s), (compat.T(de_s), k_s)], tile, minus),
-        ([(de_s, k_s)], tile, plus)])
+        ([(compat.T(dp_s), q_s), (compat.T(de_s), k_s)], keys, minus),
+        ([(de_s, k_s)], keys, plus)])
     dg = dg + jnp.sum(load(k_s) * (plus - minus), axis=1)
     dk = plus + minus
     compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
@@ -224,8 +226,8 @@ def chunk_backward(mg, q, k, v, g, b, t, states, d_next, d_o, *, scale):
     mg: :class:`compat.Mosaic`.
     q, k: ``[B, T, H, K]``; v, d_o: ``[B, T, HV, V]``; t: ``[B, HV, T,
       C]``; states, d_next: ``[B, HV, T / C, K, V]`` (the chunks' entry
-      states and their exit states' cotangents): one 16-bit dtype; K = V in
-      {64, 128}, T a multiple of 64.
+      states and their exit states' cotangents): one 16-bit dtype; K and V
+      in {64, 128}, T a multiple of 64.
     g: ``[B, HV, T]`` float32 chunk-local cumulative log gate; b: ``[B, HV,
       T]`` float32 beta.
     scale: Python float multiplying q.
@@ -235,22 +237,25 @@ def chunk_backward(mg, q, k, v, g, b, t, states, d_next, d_o, *, scale):
     db, da [B, HV, T] float32)``: per value head (grouped heads are summed
     by the caller); da the cotangent of the log gate's increments.
   """
-  bsz, t_len, h, width = q.shape
-  heads = v.shape[2]
-  if v.shape[3] != width or width not in (64, 128):
-    raise ValueError(f"chunk_backward needs K = V in (64, 128); got "
-                     f"{width}, {v.shape[3]}")
+  bsz, t_len, h, dk = q.shape
+  heads, dv = v.shape[2:]
+  if {dk, dv} - {64, 128}:
+    raise ValueError(f"chunk_backward needs K, V in (64, 128); got {dk}, "
+                     f"{dv}")
   dtype, f32 = q.dtype, jnp.float32
-  tile, square = compat.smem((C, width), dtype), compat.smem((C, C), dtype)
-  state = compat.smem((width, width), dtype)
+  keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
+  square, state = compat.smem((C, C), dtype), compat.smem((dk, dv), dtype)
   vec = plgpu.SMEM((C,), f32)
   once = lambda n=1: plgpu.Barrier(num_arrivals=n)
-  scratch = [tile, tile, tile, tile, square, state, state, vec, vec, vec, vec,
-             tile, tile, tile, square, square, tile, vec, vec, vec, vec,
+  # q, k, v, dO, T, S, dS', the gate and beta twice; Y, Delta, dDelta, dP~,
+  # dE, dk's staging, four vectors; the barriers; where K != V, dq's
+  # staging and dW (else in Y's and dDelta's tiles: 226 KB at 128).
+  scratch = [keys, keys, vals, vals, square, state, state, vec, vec, vec, vec,
+             vals, vals, vals, square, square, keys, vec, vec, vec, vec,
              once(_FIRST), once(_SECOND), once(), once(), once(), once(),
-             once(), once(), once(3)]
-  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, width), dtype),
-              jax.ShapeDtypeStruct((bsz, t_len, heads, width), dtype),
+             once(), once(), once(3), *([keys, keys] if dk != dv else [])]
+  out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtype),
+              jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtype),
               jax.ShapeDtypeStruct(v.shape, v.dtype),
               jax.ShapeDtypeStruct(b.shape, f32),
               jax.ShapeDtypeStruct(g.shape, f32)]

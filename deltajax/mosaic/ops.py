@@ -27,7 +27,7 @@ backward and the backward through the UT transform are one kernel of three
 warpgroups (:func:`chunk_backward.chunk_backward`) that forms Delta and
 dDelta again from the states and their cotangents: the forward saves no
 Delta, the reverse pass writes no dDelta, and the output's share of dk
-stays in shared memory (three ``[B, T, HV, V]`` temporaries fewer).
+stays in shared memory: three temporaries fewer.
 
 A per-channel gate (KDA, ``a [B, T, HV, K]``): the Pallas kernels form the
 gate, the decayed operands ``Q e^g``, ``K e^g``, ``K e^{g_C - g}``, the
@@ -306,8 +306,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       (:func:`chunk_backward.chunk_backward`), which forms Delta and dDelta
       again from the states and their cotangents and keeps the output's
       shares of dk and the gate in shared memory. True needs
-      ``fused_reverse``, the per-head gate and K, V padded alike (64 or
-      128). Untimed: False by default.
+      ``fused_reverse`` and the per-head gate (where the Pallas kernels'
+      padded head dims are not 64 or 128, the Pallas kernels run, as
+      without it). Untimed: False by default.
     pieces: the scan and the reverse pass cut each sequence into this many
       equal runs of chunks, walked side by side: a first pass maps each
       run's entry state to its exit state (:func:`scan.piece_maps`), the
@@ -377,13 +378,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, _PER_HEAD,
                           backward) and schedule == "specialized"
-  if fused_grads and not (fused_reverse and a.shape[-1] == 1 and
-                          pallas_core.padded_dim(dims[0])
-                          == pallas_core.padded_dim(dims[1])):
-    raise ValueError(f"fused_grads needs fused_reverse, the per-head gate "
-                     f"and K, V padded alike; got fused_reverse="
-                     f"{fused_reverse}, a {a.shape}, K = {dims[0]}, V = "
-                     f"{dims[1]}")
+  if fused_grads and not (fused_reverse and a.shape[-1] == 1):
+    raise ValueError(f"fused_grads needs fused_reverse and the per-head "
+                     f"gate; got fused_reverse={fused_reverse}, a "
+                     f"{a.shape}")
   n_chunks = -(-q.shape[1] // CHUNK)
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
