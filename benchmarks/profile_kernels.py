@@ -19,8 +19,8 @@ from deltajax.pallas import core, intra, ops, output, state, ut
 
 VARIANTS = {
     "inverse": [core.Launch(num_warps=w, num_stages=1, method=m)
-                for m, w in (("blocks", 1), ("blocks", 2), ("doubling", 1),
-                             ("doubling", 2), ("doubling", 4))],
+                for m, w in (("blocks", 1), ("doubling", 4), ("blocks", 2),
+                             ("doubling", 8))],
     "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
               for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
     "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
