@@ -131,7 +131,7 @@ MOSAIC_VARIANTS = {
     "mosaic:wide": dict(narrow_dk=False),
     "mosaic:one": dict(schedule="one"),
     "mosaic:unfused": dict(fused_reverse=False),
-    "mosaic:grads=fused": dict(fused_reverse=True, fused_grads=True),
+    "mosaic:grads=split": dict(fused_grads=False),
     **{f"mosaic:pieces={n}": dict(pieces=n) for n in (1, 2, 4, 8, 16)},
 }
 
