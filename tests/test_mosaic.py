@@ -651,6 +651,31 @@ def test_fused_reverse_by_default_only_compiled():
                      mosaic.BACKWARD)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fused_grads_by_default_where_fused_reverse_runs(per_channel,
+                                                        monkeypatch):
+  """Compiled for the GPU, the default backward of the per-head gate runs
+  :func:`chunk_backward.chunk_backward` (``fused_grads`` None: on where
+  ``fused_reverse`` is); the per-channel gate's does not."""
+  monkeypatch.setattr(ops, "_mosaic_gpu",
+                      lambda: compat.Mosaic(interpret=False))
+  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+
+  def loss(*x):
+    o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
+                                         chunk_size=64)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  keys = shape(1, 128, 1, 64)
+  args = (keys, keys, shape(1, 128, 1, 64),
+          f32(1, 128, 1, 64 if per_channel else 1), f32(1, 128, 1),
+          f32(1, 1, 64, 64))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*args))
+  assert ("chunk_backward" in jaxpr) == (not per_channel)
+
+
 def test_fused_reverse_agrees_with_the_unfused_one():
   """The three-warpgroup reverse pass that forms W and dDelta_local itself
   (``fused_reverse``) gives the unfused backward's gradients to float32
@@ -659,7 +684,8 @@ def test_fused_reverse_agrees_with_the_unfused_one():
   CTAs on two cores). Refused without its kernels or schedule."""
   args, cts = _contract_inputs(11, length=192, value_heads=1, key_dim=128,
                                value_dim=64)
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=fused))
+  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=fused,
+                                        fused_grads=False))
             for fused in (True, False)]
   for i, (got, want) in enumerate(zip(*leaves)):
     got, want = (np.asarray(x, np.float64) for x in (got, want))
@@ -684,7 +710,8 @@ def test_fused_grads_agree_with_the_two_kernels(pieces, key_dim):
                                key_dim=key_dim, value_dim=64)
   leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=True,
                                         pieces=pieces, **options))
-            for options in (dict(fused_grads=True), dict(narrow_dk=False))]
+            for options in (dict(fused_grads=True),
+                            dict(fused_grads=False, narrow_dk=False))]
   for i, (got, want) in enumerate(zip(*leaves)):
     got, want = (np.asarray(x, np.float64) for x in (got, want))
     assert utils.relative_rms_error(got, want) < 1e-6, i
