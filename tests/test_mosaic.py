@@ -146,6 +146,22 @@ def test_pieces_in_the_specialized_scan():
       _mosaic_vjp(args, cts, pieces=pieces)
 
 
+def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
+                     per_channel):
+  """Traces the default path as compiled for the GPU (the interpreter off,
+  ``fused_reverse`` by its compiled default): abstract ``(q, k, v, a, b,
+  h0)`` at ``[1, t, ., dim]``."""
+  monkeypatch.setattr(ops, "_mosaic_gpu",
+                      lambda: compat.Mosaic(interpret=False))
+  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+  keys = shape(1, t, kv_heads, dim)
+  return (keys, keys, shape(1, t, value_heads, dim),
+          f32(1, t, value_heads, dim if per_channel else 1),
+          f32(1, t, value_heads), f32(1, value_heads, dim, dim))
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
 def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
   """The whole forward and backward in two pieces lowers for CUDA under
@@ -153,21 +169,13 @@ def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
   create between the kernels (the map pass's identity, the local reverse
   pass's zero cotangent) stay float32, which the interpreter does not
   check (a float64 one failed every GPU test of the pieces)."""
-  monkeypatch.setattr(ops, "_mosaic_gpu",
-                      lambda: compat.Mosaic(interpret=False))
-  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
-  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
-  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+  args = _compiled_inputs(monkeypatch, 256, 1, 2, 128, per_channel)
 
   def loss(*x):
     o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
                                          chunk_size=64, pieces=2)
     return o.astype(jnp.float32).sum() + final.sum()
 
-  keys = shape(1, 256, 1, 128)
-  args = (keys, keys, shape(1, 256, 2, 128),
-          f32(1, 256, 2, 128 if per_channel else 1), f32(1, 256, 2),
-          f32(1, 2, 128, 128))
   with jax.enable_x64(True):
     jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
         lowering_platforms=("cuda",))
@@ -657,21 +665,13 @@ def test_fused_grads_by_default_where_fused_reverse_runs(per_channel,
   """Compiled for the GPU, the default backward of the per-head gate runs
   :func:`chunk_backward.chunk_backward` (``fused_grads`` None: on where
   ``fused_reverse`` is); the per-channel gate's does not."""
-  monkeypatch.setattr(ops, "_mosaic_gpu",
-                      lambda: compat.Mosaic(interpret=False))
-  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
-  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
-  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+  args = _compiled_inputs(monkeypatch, 128, 1, 1, 64, per_channel)
 
   def loss(*x):
     o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
                                          chunk_size=64)
     return o.astype(jnp.float32).sum() + final.sum()
 
-  keys = shape(1, 128, 1, 64)
-  args = (keys, keys, shape(1, 128, 1, 64),
-          f32(1, 128, 1, 64 if per_channel else 1), f32(1, 128, 1),
-          f32(1, 1, 64, 64))
   jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*args))
   assert ("chunk_backward" in jaxpr) == (not per_channel)
 
