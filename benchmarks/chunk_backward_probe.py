@@ -1,14 +1,15 @@
 """The Mosaic GPU chunk_backward alone against the two kernels it replaces.
 
     MOSAIC_GPU_DUMP_PTXAS=1 python -m benchmarks.chunk_backward_probe \\
-        --registers 104,216,184 128,208,168 104,232,168
+        --registers 104,216,184 128,208,168 104,232,168 --blocks 64 128
 
 Times :func:`deltajax.mosaic.chunk_backward.chunk_backward` at each
 register split of its three warpgroups (``REGISTERS``: multiples of 8
-summing to at most 504) and :func:`deltajax.mosaic.output.output_backward`
+summing to at most 504) and each width of WG0's column blocks (``BLOCK``),
+and :func:`deltajax.mosaic.output.output_backward`
 followed by :func:`deltajax.mosaic.ut_backward.ut_backward` (the default
 path's, with ``narrow_dk`` and no dDelta_local) on the same random chunk
-inputs (benchmark.py's timing), and prints how far each split's gradients
+inputs (benchmark.py's timing), and prints how far each variant's gradients
 are from the first's (0 where only registers moved). With
 ``MOSAIC_GPU_DUMP_PTXAS=1`` ptxas prints each kernel's registers and
 spills.
@@ -17,6 +18,7 @@ spills.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,8 @@ def main():
   parser.add_argument("--shape", default="4,4096,16,128")
   parser.add_argument("--registers", nargs="*",
                       default=[",".join(map(str, chunk_backward.REGISTERS))])
+  parser.add_argument("--blocks", nargs="*", type=int,
+                      default=[chunk_backward.BLOCK])
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--interpret", action="store_true",
                       help="in the Mosaic GPU interpreter (a smoke test)")
@@ -79,20 +83,22 @@ def main():
   print(f"two kernels: {median_ms(lambda: fn(*inputs), args.reps):.4f} ms",
         flush=True)
   first = None
-  for registers in args.registers:
+  for registers, block in itertools.product(args.registers, args.blocks):
     chunk_backward.REGISTERS = tuple(int(x) for x in registers.split(","))
+    chunk_backward.BLOCK = block
     fn = jax.jit(lambda *x: chunk_backward.chunk_backward(mg, *x,
                                                           scale=scale))
+    label = f"registers {registers}, block {block}"
     try:
       ms = median_ms(lambda: fn(*inputs[:9]), args.reps)
       out = [np.asarray(x, np.float32) for x in fn(*inputs[:9])]
     except Exception as e:  # a split that does not compile
-      print(f"{registers}: failed: {str(e).splitlines()[0][:120]}")
+      print(f"{label}: failed: {str(e).splitlines()[0][:120]}")
       continue
     first = first or out
     moved = max(float(np.max(np.abs(x - y))) for x, y in zip(out, first))
     finite = all(np.isfinite(x).all() for x in out)
-    print(f"{registers}: {ms:.4f} ms, finite {finite}, max change {moved}",
+    print(f"{label}: {ms:.4f} ms, finite {finite}, max change {moved}",
           flush=True)
 
 

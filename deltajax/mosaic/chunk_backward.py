@@ -52,6 +52,17 @@ _SECOND = 3  # then q, dO, dS'
 # share of 384 threads), multiples of 8.
 REGISTERS = (104, 216, 184)
 _LAUNCH_REGISTERS = 168
+# WG0 forms its [C, K] and [C, V] float32 tiles by blocks of this many
+# columns, as jla's chunk_grads does, so that fewer registers are live in
+# its small share: at full width (128) ptxas spilled (benchmarks/RESULTS.md,
+# run AB).
+BLOCK = 64
+
+
+def _blocks(width):
+  """Static column slices of ``BLOCK`` (or ``width``, if narrower)."""
+  block = min(width, BLOCK)
+  return [pl.ds(i, block) for i in range(0, width, block)]
 
 
 def _enter(mg, wg, *inputs):
@@ -76,6 +87,8 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   keys, vals, square = k_s.shape, v_s.shape, (C, C)
+  k_blocks, v_blocks = _blocks(keys[1]), _blocks(vals[1])
+  k_tile, v_tile = (C, min(keys[1], BLOCK)), (C, min(vals[1], BLOCK))
   wg = lax.axis_index("wg")
   f32 = jnp.float32
   load = lambda ref: mg.load(ref, WGMMA).astype(f32)
@@ -96,13 +109,16 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
                     (do_ref.at[bi, tokens, h], do_s),
                     (dn_ref.at[bi, h, n], dn_s)), second)
     plgpu.barrier_wait(first)
-    g = mg.load(g_rows, ROWS)
-    ks = mg.mm([(k_s, s_s)], vals)
-    y_s[...] = (compat.rows(mg.load(b_rows, ROWS), vals)
-                * (load(v_s) - compat.rows(jnp.exp(g), vals) * ks)
-                ).astype(y_s.dtype)
+    g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
+    for vs in v_blocks:
+      ks = mg.mm([(k_s, s_s.at[:, vs])], v_tile)
+      y_s.at[:, vs][...] = (compat.rows(beta, v_tile) * (
+          load(v_s.at[:, vs]) - compat.rows(jnp.exp(g), v_tile) * ks)
+                            ).astype(y_s.dtype)
     plgpu.commit_smem()
-    delta_s[...] = mg.mm([(t_s, y_s)], vals).astype(delta_s.dtype)
+    for vs in v_blocks:
+      delta_s.at[:, vs][...] = mg.mm([(t_s, y_s.at[:, vs])], v_tile).astype(
+          delta_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(delta_ready)
     plgpu.barrier_wait(second)
@@ -113,13 +129,17 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
                  ).astype(dp_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dp_ready)
-    dq = mg.mm([(do_s, compat.T(s_s))], keys)
-    dq = mg.mm([(dp_s, k_s)], keys,
-               compat.rows(scale * jnp.exp(g), keys) * dq)
-    dgq_s[...] = jnp.sum(load(q_s) * dq, axis=1)
+    dgq = 0
+    for ks in k_blocks:  # Y was read: dq is staged in its tile where K = V
+      dq = mg.mm([(do_s, compat.T(s_s.at[ks, :]))], k_tile)
+      dq = mg.mm([(dp_s, k_s.at[:, ks])], k_tile,
+                 compat.rows(scale * jnp.exp(g), k_tile) * dq)
+      dgq += jnp.sum(load(q_s.at[:, ks]) * dq, axis=1)
+      dq_s.at[:, ks][...] = dq.astype(dq_s.dtype)
+    dgq_s[...] = dgq
     plgpu.commit_smem()
     plgpu.barrier_arrive(dgq_ready)
-    compat.copy_out(dq, dq_s, dq_ref.at[bi, tokens, h])  # Y was read
+    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -140,23 +160,26 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     dw_s[...] = (-minus_dw).astype(dw_s.dtype)  # dDelta read
     plgpu.commit_smem()
     plgpu.barrier_arrive(dw_ready)
-    d_xk, z = mg.products([
-        ([(compat.T(t_s), dw_s)], keys, None),
-        ([(d_xv.astype(v_s.dtype), compat.T(v_s))], square, None)])
+    # dX_v's uses, then Z = dX_v V^T and dX_k = T^T dW each alone: no
+    # float32 [C, V] value stays live through a product (at K = V = 128,
+    # dX_v held through both products serialized them for lack of
+    # registers, benchmarks/RESULTS.md run AB).
     db = jnp.sum(d_xv * load(v_s), axis=1)
+    dv = (compat.rows(beta, vals) * d_xv).astype(v_s.dtype)
+    z = mg.mm([(d_xv.astype(v_s.dtype), compat.T(v_s))], square)
     plgpu.barrier_wait(delta_ready)  # WG0 has read v
-    plgpu.commit_smem()  # and so have this warpgroup's warps
-    compat.copy_out(compat.rows(beta, vals) * d_xv, v_s,
-                    dv_ref.at[bi, tokens, h])
+    v_s[...] = dv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(v_s, dv_ref.at[bi, tokens, h])
+    d_xk = mg.mm([(compat.T(t_s), dw_s)], keys)
     d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), keys),
                       axis=1)
+    z_k = mg.mm([(d_xk.astype(k_s.dtype), compat.T(k_s))], square)
     dg1_s[...] = beta * d_xk_kg
     plgpu.commit_smem()
     plgpu.barrier_arrive(dg1_ready)
     # -dM = (Z diag(b) + dX_k K^T diag(b e^g)) T^T (ut_backward's), the
     # bracket in two 16-bit passes.
-    (z_k,) = mg.products([([(d_xk.astype(k_s.dtype), compat.T(k_s))],
-                           square, None)])
     beta_col = mg.load(b_cols, COLS)
     bracket = (z * lax.broadcast_in_dim(beta_col, square, [1])
                + z_k * lax.broadcast_in_dim(

@@ -262,16 +262,6 @@ def last(x):
   return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0), axis=0)
 
 
-def assemble(tiles, n: int):
-  """The ``[C, C]`` matrix (``C = 16 n``) from its ``[16, 16]`` tiles
-  ``{(i, j): tile}`` (absent tiles are 0)."""
-  shape = (n, SUB, n, SUB)
-  bi, bj = iota(shape, 0), iota(shape, 2)
-  full = sum(jnp.where((bi == i) & (bj == j), x[None, :, None, :], 0)
-             for (i, j), x in tiles.items())
-  return full.reshape(n * SUB, n * SUB)
-
-
 def rows_of(x, i: int):
   """Rows ``16 i .. 16 i + 15`` of a value ``x [C, D]``: ``[16, D]`` (no
   slicing of values in Triton: a masked sum)."""

@@ -5,7 +5,7 @@
 inverted by blocks of 16: the diagonal blocks by forward substitution, the
 blocks below by block forward substitution,
 ``T_ij = -T_ii sum_{j <= m < i} A_im T_mj``, with dots of Triton's minimum
-size; the blocks are then assembled into one ``[C, C]`` value. Substitution,
+size; the blocks are stored one by one. Substitution,
 unlike a power series of ``A``, stays accurate for aligned keys with ``b``
 near 2 (tests/test_pallas.py). A second kernel forms ``W = T diag(b) (K e^g)``
 and ``U = T diag(b) V`` for the backward; the forward scan applies T itself.
@@ -64,23 +64,22 @@ def _unstack(x):
           for i in range(x.shape[0])]
 
 
-def inverse_blocks(a_block, n: int, dot: core.Dot, precision: str = "ieee"):
+def inverse_blocks(a_block, n: int, mm):
   """Blocks ``T[i, j]`` (``j <= i``) of ``(I + A)^-1``, A strictly lower.
 
   The n diagonal blocks are inverted together (15 substitution steps on
-  ``[n, 16, 16]``), then the blocks below them by ``[16, 16]`` products in
-  ``precision``.
+  ``[n, 16, 16]``), then the blocks below them by ``[16, 16]`` products
+  ``mm``.
 
   Args:
     a_block: ``a_block(i, j)`` gives the float32 ``[16, 16]`` block
       ``A[i, j]`` (``j <= i``), strictly lower when ``i == j``.
     n: number of 16-blocks in the chunk.
-    dot: the products (:class:`core.Dot`).
+    mm: the float32 products.
   """
   a = {(i, m): a_block(i, m) for i in range(n) for m in range(i + 1)}
   diagonal = _unstack(_invert_unit_lower_blocks(
       _stack([a[i, i] for i in range(n)])))
-  mm = functools.partial(dot, precision=precision)
   t = {}
   for i in range(n):
     t[i, i] = diagonal[i]
@@ -89,17 +88,37 @@ def inverse_blocks(a_block, n: int, dot: core.Dot, precision: str = "ieee"):
   return t
 
 
+def block_product(dtype, dot: core.Dot):
+  """The float32 products of :func:`inverse_blocks` for keys of ``dtype``:
+  exact for float32 keys, else in the config's precision (three TF32 passes
+  by default). The sums below the diagonal cancel with aligned keys: at b =
+  1.99 with identical keys T erred by 5 % of its largest entry with one
+  TF32 pass on the H200 (benchmarks/RESULTS.md, run AB), and by 3.1e-3
+  with three bf16 passes (:meth:`core.Dot.split`, emulated on the CPU),
+  against 2.0e-3 with three TF32 passes and the tests' bound of 2^-8."""
+  return functools.partial(
+      dot, precision="ieee" if jnp.dtype(dtype) == jnp.float32 else None)
+
+
 def invert(tiles, beta, n: int, dtype, dot: core.Dot):
-  """``(I + diag(b) A)^-1`` ``[C, C]`` float32 from the ``[16, 16]`` tiles
-  ``{(i, j): A_ij}`` (``j <= i``) of the strictly lower A and ``beta``: n
-  ``[16]`` pieces of b. It is used in ``dtype`` (k's): float32 inputs get
-  exact products, 16-bit ones the config's precision (three TF32 passes by
-  default). One TF32 pass erred by 5 % of T's largest entry at b = 1.99
-  with identical keys on the H200 (the blocks below the diagonal cancel)."""
-  precision = "ieee" if dtype == jnp.float32 else None
-  return core.assemble(
-      inverse_blocks(lambda i, j: beta[i][:, None] * tiles[i, j], n, dot,
-                     precision), n)
+  """The blocks ``{(i, j): T_ij}`` (``j <= i``, float32 ``[16, 16]``) of
+  ``(I + diag(b) A)^-1`` from the ``[16, 16]`` tiles ``{(i, j): A_ij}``
+  (``j <= i``) of the strictly lower A and ``beta``: n ``[16]`` pieces of
+  b; products by :func:`block_product` for keys of ``dtype``."""
+  return inverse_blocks(lambda i, j: beta[i][:, None] * tiles[i, j], n,
+                        block_product(dtype, dot))
+
+
+def store_blocks(ref, blocks, n: int):
+  """``ref [16 n, 16 n]`` from its ``[16, 16]`` blocks ``{(i, j): x}``,
+  absent blocks 0: stored block by block (a Triton value cannot be
+  concatenated)."""
+  zero = jnp.zeros((SUB, SUB), ref.dtype)
+  for i in range(n):
+    for j in range(n):
+      x = blocks.get((i, j))
+      ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = (
+          zero if x is None else x.astype(ref.dtype))
 
 
 def invert_by_doubling(m, mm):
@@ -110,7 +129,7 @@ def invert_by_doubling(m, mm):
   inverts to ``D^-1 - D^-1 E D^-1``). These are block forward
   substitution's values, stable for aligned keys (not a power series of
   m), from ``log2(C) - 1`` pairs of ``[C, C]`` products ``mm``: no ``[16,
-  16]`` tiles to form and assemble. :mod:`deltajax.mosaic.ut` inverts the
+  16]`` tiles to form and store. :mod:`deltajax.mosaic.ut` inverts the
   same way on wgmmas."""
   rows, cols = core.iota(m.shape, 0), core.iota(m.shape, 1)
 
@@ -162,7 +181,7 @@ def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, a_ref, t_ref, dot,
         g[i], g[j], core.causal(SUB, strict=True) if i == j else True,
         cuts[i], cuts[j]) for i in range(n) for j in range(i + 1)}
   beta = [b_ref[s].astype(acc) for s in sub]
-  t_ref[...] = invert(tiles, beta, n, k_ref.dtype, dot).astype(t_ref.dtype)
+  store_blocks(t_ref, invert(tiles, beta, n, k_ref.dtype, dot), n)
 
 
 def _w_u_kernel(*, k_ref, v_ref, g_ref, b_ref, cuts_ref, t_ref, w_ref, u_ref,
