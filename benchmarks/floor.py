@@ -6,8 +6,9 @@ kernel, against the H200's floor.
 Each kernel's HBM traffic is counted from its inputs and outputs (each read
 or written once), its FLOPs from its products (2 M N K each), per chunk of
 64 tokens, for the per-head gate without grouped value heads; ``--us``
-gives measured times (Nsight Compute) in the kernels' order, for the
-achieved rates. RESULTS.md, run V, has the table at (4, 4096, 16, 128).
+gives measured times (Nsight Compute) in the kernels' order (inverse, scan,
+reverse pass, chunk_backward), for the achieved rates. RESULTS.md, run V,
+has the table of the kernels before run AB at (4, 4096, 16, 128).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ C = 64
 
 
 def kernels(bsz, t_len, heads, d):
-  """``{name: (bytes read, bytes written, FLOPs)}`` of one step's kernels
-  (K = V = d, 16-bit q/k/v, the saved states and T in 16 bits)."""
+  """``{name: (bytes read, bytes written, FLOPs)}`` of the kernels of one
+  default step (since RESULTS run AB: the forward saves the chunks' states
+  but no Delta; the reverse pass forms W and dDelta_local itself and writes
+  the states' cotangents only; ``chunk_backward`` forms every
+  chunk-parallel gradient), K = V = d, 16-bit q/k/v, T and the saved
+  states in 16 bits."""
   chunks = bsz * heads * t_len // C
   tok = bsz * t_len * heads * d * 2      # [B, T, H, d], 16-bit
   vec = bsz * heads * t_len * 4          # [B, H, T], float32
@@ -32,16 +37,18 @@ def kernels(bsz, t_len, heads, d):
   return {
       "UT inverse (Pallas)": (tok + 2 * vec, t_mat,
                               mm(C, C, d) + mm(C, C, C) // 3),
-      "scan + output, saving S and Delta": (
-          3 * tok + t_mat + 2 * vec, 2 * tok + states,
-          3 * keys + 4 * square),
-      "output backward": (4 * tok + vec + states, 2 * tok + vec,
-                          keys + 4 * square),
+      # K S, Delta, Q K^T, Q S, P Delta (two passes), the update.
+      "scan + output, saving S": (3 * tok + t_mat + 2 * vec, tok + states,
+                                  3 * keys + 4 * square),
+      # W, K Q^T, P^T dO; K dS, Q^T dO, W^T dDelta.
       "reverse pass (three warpgroups)": (
-          3 * tok + t_mat + 2 * vec, tok + states, 3 * keys + 3 * square),
-      "ut_backward": (5 * tok + t_mat + 2 * states + 3 * vec,
-                      2 * tok + 2 * vec,
-                      2 * keys + 6 * square + 2 * mm(C, C, C)),
+          3 * tok + t_mat + 2 * vec, states, 3 * keys + 3 * square),
+      # WG0: K S, Delta, dP~, dO S^T, dP~ K; WG1: K Q^T, P^T dO, K dS',
+      # T^T dDelta, dDelta S^T, Z, dX_k, Z_k, -dM (two passes), K K^T;
+      # WG2: Delta dS'^T, dX_k again, dP~^T Q, dE^T K, dE K.
+      "chunk_backward": (4 * tok + t_mat + 2 * states + 2 * vec,
+                         3 * tok + 2 * vec,
+                         5 * keys + 14 * square + 2 * mm(C, C, C)),
   }
 
 

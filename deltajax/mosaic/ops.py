@@ -262,7 +262,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       and under ``jax_enable_x64``.
     inverse: which kernel forms the UT inverse T (:data:`INVERSES`): the
       Pallas one (the default: 76 us against 161 at (4, 4096, 16, 128) on
-      the H200, RESULTS run AA) or :func:`ut.inverse`.
+      the H200, RESULTS run AA; 91.6 us since its blocks below the diagonal
+      take three TF32 passes, run AB) or :func:`ut.inverse`.
     scores: per channel, which kernel forms the gate, the decayed operands
       and the scores of the chunks whose gate falls gently (:data:`SCORES`):
       the Pallas first pass of :func:`deltajax.pallas.intra.forward` (the
