@@ -160,18 +160,19 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     dw_s[...] = (-minus_dw).astype(dw_s.dtype)  # dDelta read
     plgpu.commit_smem()
     plgpu.barrier_arrive(dw_ready)
-    # dX_v's uses, then Z = dX_v V^T and dX_k = T^T dW each alone: no
-    # float32 [C, V] value stays live through a product (at K = V = 128,
-    # dX_v held through both products serialized them for lack of
-    # registers, benchmarks/RESULTS.md run AB).
+    # dX_v's uses first, so that only its 16-bit copies stay live through
+    # the next products (at K = V = 128, float32 dX_v held through them
+    # left ptxas too few registers for the wgmmas, benchmarks/RESULTS.md
+    # run AB).
     db = jnp.sum(d_xv * load(v_s), axis=1)
     dv = (compat.rows(beta, vals) * d_xv).astype(v_s.dtype)
-    z = mg.mm([(d_xv.astype(v_s.dtype), compat.T(v_s))], square)
+    d_xk, z = mg.products([
+        ([(compat.T(t_s), dw_s)], keys, None),
+        ([(d_xv.astype(v_s.dtype), compat.T(v_s))], square, None)])
     plgpu.barrier_wait(delta_ready)  # WG0 has read v
     v_s[...] = dv
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_s, dv_ref.at[bi, tokens, h])
-    d_xk = mg.mm([(compat.T(t_s), dw_s)], keys)
     d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), keys),
                       axis=1)
     z_k = mg.mm([(d_xk.astype(k_s.dtype), compat.T(k_s))], square)
