@@ -111,9 +111,9 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.barrier_wait(first)
     g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
     for vs in v_blocks:
-      ks = mg.mm([(k_s, s_s.at[:, vs])], v_tile)
+      k_state = mg.mm([(k_s, s_s.at[:, vs])], v_tile)
       y_s.at[:, vs][...] = (compat.rows(beta, v_tile) * (
-          load(v_s.at[:, vs]) - compat.rows(jnp.exp(g), v_tile) * ks)
+          load(v_s.at[:, vs]) - compat.rows(jnp.exp(g), v_tile) * k_state)
                             ).astype(y_s.dtype)
     plgpu.commit_smem()
     for vs in v_blocks:
