@@ -46,16 +46,20 @@ def _value_and_grads(impl, args, cts):
           for n, x in zip(TOLERANCES, (*out, *grads))}
 
 
-def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES):
-  """Mosaic on q, k, v in ``dtype`` against float64 on the same values."""
+def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True):
+  """Mosaic on q, k, v in ``dtype`` against float64 on the same values;
+  under ``jax_enable_x64`` (``x64``: the kernels' int32 indexing holds
+  there, and the scan takes one warpgroup) or outside it (as ``"auto"``
+  runs: three warpgroups; the interpreter can stall with several such CTAs
+  on two cores, so one CTA a kernel)."""
   cts = utils.random_cotangents(1, x)
   args = (tuple(jnp.asarray(t, dtype) for t in x[:3])
           + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  with jax.enable_x64(True):  # the kernels' int32 indexing holds under x64
+  with jax.enable_x64(x64):
     got = _value_and_grads("mosaic", args, cts)
-    low = tuple(jnp.asarray(t, jnp.bfloat16) for t in args[:3]) + args[3:]
+  with jax.enable_x64(True):
     ref = _value_and_grads(
-        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in low), cts)
+        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in args), cts)
   for name, tol in tolerances.items():
     assert np.all(np.isfinite(got[name])), name
     err = utils.relative_rms_error(got[name], ref[name])
@@ -64,8 +68,8 @@ def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES):
 
 # (B, T, H, HV, K, V): T not a multiple of the chunk with head dims padded
 # (48 -> 64); two chunks with V = 128 (two V blocks of the scans); grouped
-# value heads (K = 100 -> 128); K = V = 32, where the backward's reverse
-# pass is the Pallas one (its padded head dims are 32).
+# value heads (K = 100 -> 128); K = V = 32 (padded to 64, forward and
+# backward).
 @pytest.mark.parametrize("shape", [(1, 100, 2, 2, 48, 48),
                                    (1, 128, 1, 1, 64, 128),
                                    (1, 40, 1, 2, 100, 64),
@@ -148,12 +152,10 @@ def test_pieces_in_the_specialized_scan():
 
 def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
                      per_channel):
-  """Traces the default path as compiled for the GPU (the interpreter off,
-  ``fused_reverse`` by its compiled default): abstract ``(q, k, v, a, b,
-  h0)`` at ``[1, t, ., dim]``."""
+  """Traces the default path as compiled for the GPU (the interpreter off):
+  abstract ``(q, k, v, a, b, h0)`` at ``[1, t, ., dim]``."""
   monkeypatch.setattr(ops, "_mosaic_gpu",
                       lambda: compat.Mosaic(interpret=False))
-  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   keys = shape(1, t, kv_heads, dim)
@@ -650,13 +652,61 @@ def test_scan_schedules_give_the_same_results():
     _mosaic_vjp(args, cts, schedule="two")
 
 
-def test_fused_reverse_by_default_only_compiled():
-  """``fused_reverse`` is on by default where the kernels are compiled
-  (None: where its kernels are), off in the interpreter, which can stall
-  with several three-warpgroup CTAs on two cores."""
-  assert ops._default_fused_reverse() is False
-  assert ops._option("fused_reverse", None, mosaic.BACKWARD,
-                     mosaic.BACKWARD)
+def _kernel_names(jaxpr):
+  """The names of the kernels a jaxpr launches, in order (nested jaxprs
+  too)."""
+  names = []
+  for eqn in jaxpr.eqns:
+    name = str(eqn.params.get("name", ""))
+    if name.startswith("deltajax_"):
+      names.append(name)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", None)
+      if inner is not None:
+        names += _kernel_names(getattr(inner, "jaxpr", inner))
+  return names
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+def test_default_kernels_are_the_same_compiled_and_interpreted(
+    per_channel, monkeypatch):
+  """The default forward and backward launch the same kernels compiled for
+  the GPU and in the interpreter (the interpreted tests run what
+  ``impl="auto"`` runs on Hopper), at K = V = 32 too: every kernel in its
+  Mosaic GPU form, the per-head gate's backward through the three-warpgroup
+  reverse pass and chunk_backward."""
+  args = _compiled_inputs(monkeypatch, 128, 1, 1, 32, per_channel)
+
+  def loss(*x):
+    o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
+                                         chunk_size=64)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  def kernels(interpret):
+    monkeypatch.setattr(ops, "_mosaic_gpu",
+                        lambda: compat.Mosaic(interpret=interpret))
+    return _kernel_names(
+        jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*args).jaxpr)
+
+  compiled = kernels(False)
+  assert compiled == kernels(True)
+  if not per_channel:
+    assert {"deltajax_mosaic_reverse_specialized",
+            "deltajax_mosaic_chunk_backward"} <= set(compiled)
+
+
+# (T, K, V, dtype), one CTA a kernel: K = V = 32 in float16 (fla's grid), T
+# not a multiple of the chunk, K != V padded (100 -> 128, 40 -> 64).
+@pytest.mark.parametrize("shape", [(70, 32, 32, jnp.float16),
+                                   (130, 100, 40, jnp.bfloat16)], ids=str)
+def test_default_path_matches_float64(shape):
+  """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
+  ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
+  chunk_backward."""
+  t, dk, dv, dtype = shape
+  _check(utils.random_inputs(t + dk, batch=1, length=t, heads=1, key_dim=dk,
+                             value_dim=dv, gate_scale=0.25, state_scale=0.1),
+         dtype=dtype, x64=False)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -10,15 +10,16 @@ on the tensor cores with 16-bit operands, so q, k and v must be 16-bit (the
 registry refuses float32 and float64 ones: ``wide=False``); gates, beta,
 the state and every accumulation are float32.
 
-Backward: the steps of :func:`deltajax.pallas.ops.backward`, each kernel in
-Mosaic GPU where the Pallas kernels' padded head dims are 64 or 128 (else
-the Pallas one): ``W`` (and ``U`` for the Pallas ut_backward:
+Backward: the steps of :func:`deltajax.pallas.ops.backward`, on the inputs
+and residuals in the forward's layout (head dims zero-padded to 64 or 128,
+:func:`_padded`), each kernel in Mosaic GPU: ``W`` (and ``U`` for the Pallas
+ut_backward:
 :func:`ut.w_u`), the output's backward
 (:func:`output.output_backward`), the reverse state pass
 (:func:`reverse.backward`), the backward through the UT transform
 (:func:`ut_backward.ut_backward`). The forward under differentiation also
 writes what that backward keeps from its own forward (``T``, the chunk-entry
-states, Delta, at those padded head dims), so nothing is recomputed. With
+states, Delta), so nothing is recomputed. With
 ``fused_reverse`` (and the scan's three warpgroups), the reverse pass has
 three too and forms W and the output's share of dDelta itself
 (:func:`reverse.specialized`): no ``ut.w_u``, and no float32 dDelta_local
@@ -80,8 +81,6 @@ from deltajax.mosaic import ut
 from deltajax.pallas import core as pallas_core
 from deltajax.pallas import intra as pallas_intra
 from deltajax.pallas import ops as pallas_ops
-from deltajax.pallas import output as pallas_output
-from deltajax.pallas import state as pallas_state
 from deltajax.pallas import ut as pallas_ut
 
 MIN_CAPABILITY = (9, 0)
@@ -93,9 +92,7 @@ class _BackwardKernel(NamedTuple):
   """A backward kernel with a Mosaic GPU form."""
   keyword: str  # of pallas.ops.backward, for the Pallas kernel it replaces
   mosaic: Callable
-  pallas: Callable
   args: tuple[str, ...]  # the Pallas kernel's that the Mosaic one takes
-  widths: tuple[str, ...]  # arguments whose last dim must be 64 or 128
 
 
 class _WFromT(NamedTuple):
@@ -208,24 +205,22 @@ _INTRA_ARGS = ("q", "k", "g", "b", "a", "states", "d_o", "delta", "d_m",
                "dk", "dg")
 
 _BACKWARD_KERNELS = {
-    "w_u": _BackwardKernel(
-        "w_u", _w_u, pallas_ut.w_u, ("k", "v", "g", "b", "t"), ("k", "v")),
+    "w_u": _BackwardKernel("w_u", _w_u, ("k", "v", "g", "b", "t")),
     "output": _BackwardKernel(
         "output_backward", _output,
-        pallas_output.output_backward,
-        ("q", "k", "g", "states", "delta", "d_o", "scale"), ("q", "d_o")),
+        ("q", "k", "g", "states", "delta", "d_o", "scale")),
     "reverse": _BackwardKernel(
-        "backward_scan", _reverse, pallas_state.backward_scan,
+        "backward_scan", _reverse,
         ("q", "k", "w", "g", "d_o", "d_delta_local", "d_final", "scale",
-         "decayed"), ("q", "d_o")),
+         "decayed")),
     "ut": _BackwardKernel(
-        "ut_backward", _ut, pallas_ut.ut_backward,
+        "ut_backward", _ut,
         ("k", "v", "g", "b", "t", "states", "d_next", "delta",
-         "d_delta", "dk_out", "dg_out", "kr"), ("k", "v")),
+         "d_delta", "dk_out", "dg_out", "kr")),
     "intra": _BackwardKernel(
-        "intra_backward", _intra, pallas_intra.backward,
+        "intra_backward", _intra,
         (*_INTRA_ARGS, "cuts", "dkr", "kr", "scale", "chunk_size", "launch",
-         "interpret", "dot"), ("q", "d_o")),
+         "interpret", "dot")),
 }
 BACKWARD = tuple(_BACKWARD_KERNELS)
 _PER_HEAD = ("w_u", "output", "reverse", "ut")  # those of a per-head gate
@@ -281,9 +276,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       the backward. None (the default): all of them (per channel, KDA's
       forward+backward 0.61-0.71x jla's at five shapes on the H200,
       RESULTS run Z; its da 6.9e-3 from float64 against 3.2e-3 with the
-      Pallas scores' backward, whose products take TF32 operands). Each
-      runs in Mosaic GPU where the Pallas kernels' padded head dims are 64
-      or 128. The Mosaic GPU backward through the UT transform needs
+      Pallas scores' backward, whose products take TF32 operands). The
+      Mosaic GPU backward through the UT transform needs
       neither W nor U, so with it :func:`ut.w_u` forms W alone, for the
       reverse pass.
     narrow_dk: the output's backward hands its share of dk to ut_backward
@@ -297,19 +291,17 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       dDelta_local itself (:func:`reverse.specialized`): :func:`ut.w_u`
       does not run and the output's backward writes no dDelta_local. True
       needs all of :data:`BACKWARD` and schedule "specialized"; None (the
-      default) means True where they are, compiled on a GPU (forward+
-      backward on the H200, RESULTS run S: 1.054 against 1.112 ms at (4,
-      4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
-      temporaries 483 against 613 MiB), not in the interpreter, which can
-      stall with several three-warpgroup CTAs on two cores.
+      default) means True where they are, compiled or interpreted alike
+      (forward+backward on the H200, RESULTS run S: 1.054 against 1.112 ms
+      at (4, 4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
+      temporaries 483 against 613 MiB).
     fused_grads: the output's backward and the backward through the UT
       transform as one kernel of three warpgroups
       (:func:`chunk_backward.chunk_backward`), which forms Delta and dDelta
       again from the states and their cotangents and keeps the output's
       shares of dk and the gate in shared memory. True needs
-      ``fused_reverse`` and the per-head gate (where the Pallas kernels'
-      padded head dims are not 64 or 128, the Pallas kernels run, as
-      without it). None (the default) means True where ``fused_reverse``
+      ``fused_reverse`` and the per-head gate. None (the default) means
+      True where ``fused_reverse``
       is on and the gate is per head (forward+backward on the H200, RESULTS
       run AB: 0.915 against 0.973 ms at (4, 4096, 16, 128), 2.196 against
       2.327 at (2, 16384, 16, 128), temporaries 290 against 483 MiB).
@@ -378,8 +370,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if fused_reverse and schedule != "specialized":
     raise ValueError(f"fused_reverse needs schedule 'specialized'; got "
                      f"{schedule!r}")
-  if fused_reverse is None:
-    fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, _PER_HEAD,
                           backward) and schedule == "specialized"
   if fused_grads is None:
@@ -426,13 +416,6 @@ def _default_pieces(ctas, n_chunks):
          and n_chunks // (2 * pieces) >= 16):
     pieces *= 2
   return pieces
-
-
-def _default_fused_reverse():
-  """``fused_reverse`` when none is asked for: None (on where its kernels
-  are) compiled on a GPU, False in the interpreter, which can stall with
-  several three-warpgroup CTAs on two cores."""
-  return False if _mosaic_gpu().interpret else None
 
 
 def _option(name, value, needs, backward):
@@ -504,15 +487,25 @@ def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
   return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:]), m
 
 
+def _padded(q, k, v, a, initial_state):
+  """The inputs with their head dims zero-padded to the kernels' widths
+  (:func:`_width`), the layout of every kernel, forward and backward; a
+  per-channel gate too (a = 0 on the padded channels, whose keys are 0)."""
+  kw, vw = _width(q.shape[-1]), _width(v.shape[-1])
+  q, k = (common.pad_axis(x, 3, kw) for x in (q, k))
+  if a.shape[-1] > 1:
+    a = common.pad_axis(a, 3, kw)
+  return (q, k, common.pad_axis(v, 3, vw), a,
+          pallas_ops.pad_state(initial_state, kw, vw))
+
+
 def _forward(plan, scale, q, k, v, a, b, initial_state, save, deltas=True):
   """The outputs and, with ``save``, the backward's residuals (Delta among
-  them where ``deltas``)."""
+  them where ``deltas``), on inputs padded by :func:`_padded`."""
   schedule, inverse, pieces, scores, keep_gates = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
-  q, k = (common.pad_axis(x, 3, _width(n_k)) for x in (q, k))
-  vp = common.pad_axis(v, 3, _width(n_v))
-  s0 = pallas_ops.pad_state(initial_state, q.shape[-1], vp.shape[-1])
+  q, k, vp, a, s0 = _padded(q, k, v, a, initial_state)
   g_whole = None
   if a.shape[-1] > 1:
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
@@ -534,17 +527,13 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save, deltas=True):
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
     return outputs, None
-  # The Pallas backward's layout: head dims padded to its own widths.
-  kp, vp = pallas_core.padded_dim(n_k), pallas_core.padded_dim(n_v)
   states, delta = saved
   if maps is not None:  # those the backward's reverse pass reads
-    maps = maps[1:, ..., :kp, :kp]
+    maps = maps[1:]
   kept = None
   if g_whole is not None:  # Q e^g and K e^{g_C - g} with g
-    kept = tuple(x[..., :kp] for x in (g_whole, q, channel[0]))
-  if delta is not None:
-    delta = delta[..., :vp]
-  return outputs, ((t, states[..., :kp, :vp], delta,
+    kept = (g_whole, q, channel[0])
+  return outputs, ((t, states, delta,
                     None if channel is None else channel[1], kept), maps)
 
 
@@ -564,19 +553,18 @@ def _fwd(scale, plan, backward, q, k, v, a, b, initial_state):
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
                                     initial_state, save=True,
                                     deltas=not backward[3])
+  # The backward runs on the padded inputs: its kernels' widths too.
+  q, k, v, a, initial_state = _padded(q, k, v, a, initial_state)
   return outputs, ((q, k, v, a, b, initial_state, None, None, None, saved),
                    maps)
 
 
 def _in_mosaic(name, **options):
   """The backward kernel ``name`` of :data:`BACKWARD` under the signature of
-  the Pallas kernel it replaces, which still runs where a padded head dim
-  is not 64 or 128; ``options`` go to the Mosaic one."""
+  the Pallas kernel it replaces; ``options`` go to the Mosaic one."""
   kernel = _BACKWARD_KERNELS[name]
 
   def call(**kwargs):
-    if {kwargs[n].shape[-1] for n in kernel.widths} - {64, 128}:
-      return kernel.pallas(**kwargs)
     return kernel.mosaic(_mosaic_gpu(), **{
         **{n: kwargs[n] for n in kernel.args}, **options})
   return call
@@ -612,9 +600,13 @@ def _bwd(scale, plan, backward, residuals, cotangents):
   config = pallas_core.KernelConfig().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}
-  grads = pallas_ops.backward(scale, CHUNK, config, residuals, cotangents,
-                              **kernels)
-  return grads[:6]  # those of q, k, v, a, b and initial_state
+  dq, dk, dv, da, db, d_initial = pallas_ops.backward(
+      scale, CHUNK, config, residuals, cotangents, **kernels)[:6]
+  n_k, n_v = cotangents[1].shape[-2:]  # the head dims before padding
+  if da.shape[-1] > 1:
+    da = da[..., :n_k]
+  return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da, db,
+          d_initial[..., :n_k, :n_v])
 
 
 _mosaic.defvjp(_fwd, _bwd)
