@@ -1,13 +1,14 @@
-"""GPU checks (run on the H200 with ``python -m pytest -m gpu tests``).
+"""GPU checks of the kernels (``python -m pytest -m gpu tests``, with
+tests/test_gpu_fla.py: fla's grids through impl="auto").
 
-16-bit inputs, float32 gates and initial state, against the float64 chunked
-reference on the same device and the same (rounded) values, with fla's
-tolerances (relative RMS error): impl="pallas" on a grid of lengths and head
-dims, on KDA and on Gated DeltaNet-2; impl="mosaic" on Hopper (Gated
-DeltaNet and KDA, and KDA's Mosaic first pass of the scores against the
-Pallas one, output by output); impl="auto" (what a user gets) on grouped
-value heads, packed sequences, fla's GDN test grid and fla's KDA test
-shapes (KDA and Gated DeltaNet-2), and in pieces
+16-bit inputs, float32 gates and initial state, run as users run them
+(outside ``jax_enable_x64``), against the float64 chunked reference on the
+same device and the same (rounded) values, with fla's tolerances (relative
+RMS error): impl="pallas" on a grid of lengths and head dims, on KDA and on
+Gated DeltaNet-2; impl="mosaic" on Hopper (Gated DeltaNet and KDA, the
+forward outside differentiation, the scan in pieces, and KDA's Mosaic first
+pass of the scores against the Pallas one, output by output); impl="auto"
+on segment ids, under vmap and in pieces
 (``parallel.gated_delta_in_pieces``); the decoding step's kernel in a
 jitted loop at the benchmark's shape.
 """
@@ -91,13 +92,14 @@ def _gdn2_args(args, seed):
 
 
 def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
+  """``impl`` outside ``jax_enable_x64`` (as users run it: its defaults
+  there) against the float64 reference on the same rounded values."""
+  low = tuple(jnp.asarray(x, dtype) for x in args[:3]) + tuple(
+      jnp.asarray(x, jnp.float32) for x in args[3:])
+  got = _run(impl, low, cts, **options)
   with jax.enable_x64(True):
-    low = tuple(jnp.asarray(x, dtype) for x in args[:3]) + tuple(
-        jnp.asarray(x, jnp.float32) for x in args[3:])
-    # The reference sees the same rounded values, in float64, in one call.
     ref = _run("chunked", tuple(jnp.asarray(x, jnp.float64) for x in low), cts,
                **{n: x for n, x in options.items() if n != "pieces"})
-    got = _run(impl, low, cts, **options)
   tolerances = {n: tol for n, tol in TOLERANCES.items() if n in got}
   errors = {n: np.linalg.norm(got[n] - ref[n]) / max(np.linalg.norm(ref[n]),
                                                       1e-30)
@@ -186,40 +188,6 @@ def test_mosaic_forward_alone_matches_float64_reference(t, d, hv):
 
 
 @_needs_hopper
-@pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
-                                    (1000, 128, 4)])
-def test_mosaic_fused_reverse_matches_float64_reference(t, d, hv):
-  """The three-warpgroup reverse pass that forms W and dDelta_local itself
-  (``fused_reverse``), with the three-warpgroup scan, called directly."""
-  def fused(q, k, v, a, b, s0):
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, schedule="specialized", fused_reverse=True,
-        fused_grads=False)
-  t = t // 64 * 64  # called directly: T a multiple of the chunk
-  args, cts = _inputs(t, d, seed=t * 1000 + d + 9, hv=hv)
-  _check(fused, args, cts, label=f"fused reverse T={t} D={d} HV={hv}")
-
-
-@_needs_hopper
-@pytest.mark.parametrize("t,d,hv", [(1000, 64, None), (4096, 128, None),
-                                    (1000, 128, 4)])
-def test_mosaic_fused_grads_matches_float64_reference(t, d, hv):
-  """The output's backward and ut_backward as one three-warpgroup kernel
-  that forms Delta and dDelta again (``fused_grads``:
-  :func:`deltajax.mosaic.chunk_backward.chunk_backward`), called directly;
-  with grouped value heads, dq and dk per value head in 16 bits."""
-  def fused(q, k, v, a, b, s0):
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, schedule="specialized", fused_reverse=True,
-        fused_grads=True)
-  t = t // 64 * 64  # called directly: T a multiple of the chunk
-  args, cts = _inputs(t, d, seed=t * 1000 + d + 11, hv=hv)
-  _check(fused, args, cts, label=f"fused grads T={t} D={d} HV={hv}")
-
-
-@_needs_hopper
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
 def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
@@ -266,44 +234,14 @@ def test_kda_mosaic_matches_float64_reference(t, d, hv, gate_div):
 
 
 @_needs_hopper
-@pytest.mark.parametrize("t,d,hv,gate_div", [(64, 64, None, 4.0),
-                                             (1024, 128, 8, 64.0)])
-def test_kda_mosaic_ut_backward_matches_float64_reference(t, d, hv, gate_div):
-  """KDA with every Mosaic GPU backward kernel that takes the per-channel
-  gate (``backward=mosaic.BACKWARD``: the reverse pass, ut_backward, whose
-  gate tile reuses the value blocks' shared memory, an ordering the
-  interpreter cannot check, and the scores' backward), called directly (T
-  a multiple of the chunk)."""
-  def all_mosaic(q, k, v, a, b, s0):
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a, b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, backward=mosaic.BACKWARD)
-  args, cts = _inputs(t, d, seed=t * 1000 + d + 3, h=4, hv=hv,
-                      per_channel=True, gate_div=gate_div,
-                      nonnegative_qk=True)
-  _check(all_mosaic, args, cts, label=f"kda mosaic ut_backward T={t} D={d}")
-
-
-@_needs_hopper
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize(
-    "backward", [None, tuple(n for n in mosaic.BACKWARD if n != "intra")],
-    ids=("default", "pallas_scores"))
-def test_kda_mosaic_moderate_gates(backward, d):
+def test_kda_mosaic_moderate_gates(d):
   """KDA through impl="mosaic" over 32 chunks of moderate gates (about -0.1
   a token, benchmark.py's: every chunk gentle, its gate falling by 4 to 9
-  per channel), by default (every backward kernel in Mosaic GPU) and with
-  the Pallas scores' backward: the Mosaic one gave non-finite da on the
-  H200 on such inputs (RESULTS run Y, before its triangle came from shared
-  memory), while fla's weak and strong gates passed."""
-  def run(q, k, v, a, b, s0):
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a, b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, backward=backward)
+  per channel), where the Mosaic GPU scores' backward takes every chunk."""
   args, cts = _inputs(2048, d, seed=d + 5, bsz=1, h=4, per_channel=True,
                       gate_div=8.0)
-  _check(run, args, cts, label=f"kda mosaic moderate gates D={d} "
-         f"backward={backward}")
+  _check("mosaic", args, cts, label=f"kda mosaic moderate gates D={d}")
 
 
 def _scores_first_pass_errors(dk, interpret=False):
@@ -378,20 +316,6 @@ def test_kda_pallas_strong_gates(chunk_size):
          chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("h,hv", [(2, 4), (4, 8)])
-def test_auto_grouped_value_heads(h, hv):
-  args, cts = _inputs(1000, 128, seed=hv, h=h, hv=hv)
-  _check("auto", args, cts, label=f"auto GVA {h}/{hv}")
-
-
-@pytest.mark.parametrize("cu", [[0, 15, 100, 300, 1200, 2000],
-                                [0, 122, 229, 400, 1000]], ids=str)
-def test_auto_cu_seqlens(cu):
-  args, cts = _inputs(cu[-1], 64, seed=len(cu), bsz=1, states=len(cu) - 1)
-  _check("auto", args, cts, label=f"auto cu_seqlens {cu}",
-         cu_seqlens=jnp.asarray(cu))
-
-
 def test_auto_segment_ids():
   ids = np.repeat(np.arange(6), [100, 1, 300, 99, 500, 24])[None].repeat(2, 0)
   args, cts = _inputs(1024, 128, seed=7)
@@ -426,43 +350,6 @@ def test_auto_in_pieces(per_channel):
   args, cts = _inputs(4096, 128, seed=11, bsz=1, per_channel=per_channel)
   _check("auto", args, cts, label=f"auto in 4 pieces, KDA {per_channel}",
          pieces=4)
-
-
-# fla's GDN grid (T, D, gate divisor, scale, half the gates zeroed), fp16,
-# beta = 1, through impl="auto".
-GDN_GRID = [(t, d, (0.1, 1, 10)[i % 3], (1.0, 0.1)[i % 2], i % 4 < 2)
-            for i, (t, d) in enumerate((t, d) for t in (1, 15, 63, 300)
-                                       for d in (32, 64, 100, 256))]
-
-
-@pytest.mark.parametrize("t,d,div,scale,half_zero", GDN_GRID)
-def test_auto_fla_gdn_grid(t, d, div, scale, half_zero):
-  args, cts = _inputs(t, d, seed=t * 7 + d, gate_div=div, beta_one=True)
-  if half_zero:
-    a = args[3].copy()
-    a[:, :, : a.shape[2] // 2] = 0
-    args = (*args[:3], a, *args[4:])
-  _check("auto", args, cts, dtype=jnp.float16, scale=scale,
-         label=f"auto GDN T={t} D={d} /{div} scale={scale} half0={half_zero}")
-
-
-# fla's KDA shapes, q and k non-negative then L2-normalised, gates
-# logsigmoid(N(0, 1)) / n, an initial state, through impl="auto"; for Gated
-# DeltaNet-2 too, with the erase and write gates of _gdn2_args.
-KDA_SHAPES = [((1, 63, 1, 64), 0.1), ((2, 500, 3, 60), 1), ((2, 1000, 3, 64), 10),
-              ((3, 1024, 4, 100), 0.1), ((4, 1024, 4, 128), 1),
-              ((2, 1500, 4, 128), 10), ((4, 2048, 8, 64), 1)]
-
-
-@pytest.mark.parametrize("rule", ("kda", "gdn2"))
-@pytest.mark.parametrize("shape,div", KDA_SHAPES, ids=str)
-def test_auto_fla_kda_shapes(shape, div, rule):
-  bsz, t, h, d = shape
-  args, cts = _inputs(t, d, seed=t + d, bsz=bsz, h=h, per_channel=True,
-                      gate_div=div, nonnegative_qk=True)
-  if rule == "gdn2":
-    args = _gdn2_args(args, seed=t + d + 1)
-  _check("auto", args, cts, label=f"auto {rule} {shape} /{div}")
 
 
 def _decode(impl, state, q, k, v, a, b):
