@@ -25,6 +25,7 @@ from deltajax import mosaic
 from deltajax import pallas
 from deltajax.mosaic import compat as mosaic_compat
 from deltajax.mosaic import intra as mosaic_intra
+from deltajax.mosaic import ops as mosaic_ops
 from deltajax.pallas import ut as pallas_ut
 import utils
 
@@ -242,6 +243,30 @@ def test_kda_mosaic_moderate_gates(d):
   args, cts = _inputs(2048, d, seed=d + 5, bsz=1, h=4, per_channel=True,
                       gate_div=8.0)
   _check("mosaic", args, cts, label=f"kda mosaic moderate gates D={d}")
+
+
+@_needs_hopper
+@pytest.mark.parametrize("scores", mosaic_ops.SCORES)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_kda_mosaic_16_bit_at_fla_gates(dtype, scores):
+  """fla's KDA test in float16 and bfloat16 (B = 2, T = 1000, H = 3, D =
+  64, scale 0.1, gates logsigmoid(N(0, 1)) with half of them 0, an initial
+  state) through impl="mosaic", with either first pass of the scores: the
+  chunks' gates fall by 32 to 43 (93 % of them by 40 at most, which the
+  Mosaic kernels factor through the midpoint gate), factors up to e^20,
+  past float16's 65504 = e^11.1 (float16 operands there gave Inf dq, dk,
+  da and db; NaN o with the Mosaic first pass)."""
+  def run(q, k, v, a, b, s0):
+    return mosaic.gated_delta_mosaic(q, k, v, a, b, s0, None, None,
+                                     scale=0.1, chunk_size=mosaic.CHUNK,
+                                     scores=scores)
+  args, cts = _inputs(1000, 64, seed=41, h=3, per_channel=True,
+                      gate_div=1.0)
+  rng = np.random.default_rng(42)
+  a = np.where(rng.uniform(size=args[3].shape) < 0.5, 0.0, args[3])
+  _check(run, (*args[:3], a, *args[4:]), cts, dtype=dtype, scale=0.1,
+         label=f"kda mosaic {jnp.dtype(dtype).name} fla gates "
+         f"scores={scores}")
 
 
 def _scores_first_pass_errors(dk, interpret=False):

@@ -24,6 +24,7 @@ from deltajax.mosaic import reverse
 from deltajax.mosaic import scan
 from deltajax.mosaic import ut
 from deltajax.mosaic import ut_backward
+import reference
 import utils
 
 pytestmark = pytest.mark.skipif(
@@ -225,6 +226,41 @@ def test_mosaic_per_channel_strong_gates_stay_finite():
   x = utils.strong_kda_inputs(7, length=128, key_dim=64, value_dim=64)
   _check(x._replace(a=np.full_like(x.a, -5.0),
                     initial_state=0.1 * x.initial_state))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_mosaic_per_channel_16_bit_gates_past_float16(dtype):
+  """KDA in float16 and bfloat16 at fla's KDA gates (logsigmoid(N(0, 1)),
+  half of them 0): on some channel each chunk's gate falls by 35 to 40,
+  within the span that the scores' backward factors through the midpoint
+  gate (so the Mosaic kernel takes every chunk), with factors up to e^20,
+  past float16's 65504 = e^11.1 (float16 operands there gave Inf dq, dk,
+  da and db). Against the plain scan in float64 at fla's tolerances."""
+  x = utils.random_inputs(24, batch=1, length=128, heads=1, key_dim=64,
+                          value_dim=64, per_channel=True)
+  rng = np.random.default_rng(24)
+  a = np.where(rng.uniform(size=x.a.shape) < 0.5, 0.0, x.a)
+  g = np.cumsum(a.reshape(2, ut.C, 64), axis=1)
+  falls = np.max(g[:, 0] - g[:, -1], axis=-1)
+  assert np.all((falls > 35) & (falls <= pallas.intra.SPAN)), falls
+  args = (*(jnp.asarray(t, dtype) for t in x[:3]),
+          *(jnp.asarray(t, jnp.float32) for t in x._replace(a=a)[3:]))
+  d_o, d_s = utils.random_cotangents(25, x)
+  cts = (np.asarray(jnp.asarray(d_o, dtype), np.float64), d_s)
+  scale = 64 ** -0.5
+  got = jax.tree.leaves(utils.vjp(
+      lambda *z: deltajax.kda(*z[:5], scale=scale, initial_state=z[5],
+                              return_final_state=True, impl="mosaic"),
+      args, cts))
+  with jax.enable_x64(True):
+    want = jax.tree.leaves(utils.vjp(
+        lambda q, *z: reference.plain_scan(q * scale, *z),
+        tuple(jnp.asarray(t, jnp.float64) for t in args), cts))
+  for name, y, ref in zip(TOLERANCES, got, want):
+    y = np.asarray(y, np.float64)
+    assert np.all(np.isfinite(y)), name
+    err = utils.relative_rms_error(y, ref)
+    assert err < TOLERANCES[name], (name, err)
 
 
 def _reverse_reference(qg, kd, w, g_end, d_o, d_delta_local, d_final, scale):
@@ -463,45 +499,58 @@ def test_default_schedule():
     assert ops._default_schedule(per_channel=False) == "one"
 
 
-def _intra_inputs(seed, heads, value_heads, dk, dv, length=192):
-  """Arguments of :func:`deltajax.pallas.intra.backward` (float32 where
-  not 16-bit) over three chunks: the first two gentle (a_0 below the floor
-  on a quarter of the channels in the first), the third not (a = -190 on
-  one token of a quarter of the channels)."""
+def _intra_inputs(seed, heads, value_heads, dk, dv, length=192,
+                  dtype=jnp.bfloat16, gate_scale=0.05):
+  """Arguments of :func:`deltajax.pallas.intra.backward` (``dtype`` where
+  16-bit, else float32) over three chunks: the first two gentle (``a =
+  gate_scale logsigmoid(N(0, 1))``; a_0 below the floor on a quarter of
+  the channels in the first), the third not (a = -190 on one token of a
+  quarter of the channels)."""
   rng = np.random.default_rng(seed)
   c, n = ut.C, length // ut.C
   normal = lambda *shape: rng.standard_normal(shape)
-  a = -0.05 * np.logaddexp(0.0, normal(1, length, value_heads, dk))
+  a = -gate_scale * np.logaddexp(0.0, normal(1, length, value_heads, dk))
   a[:, 0, :, :dk // 4] = -300.0
   a[:, 2 * c + 5, :, dk // 4:dk // 2] = -190.0
   g = np.cumsum(np.maximum(a, -200.0).reshape(1, n, c, value_heads, dk),
                 axis=2)
   g = np.moveaxis(g.reshape(a.shape), 1, 2)
-  bf16 = lambda y: jnp.asarray(y, jnp.bfloat16)
+  low = lambda y: jnp.asarray(y, dtype)
   f32 = lambda y: jnp.asarray(y, jnp.float32)
   return dict(
-      q=bf16(normal(1, length, heads, dk)),
-      k=bf16(normal(1, length, heads, dk) / np.sqrt(dk)), g=f32(g),
+      q=low(normal(1, length, heads, dk)),
+      k=low(normal(1, length, heads, dk) / np.sqrt(dk)), g=f32(g),
       b=f32(rng.uniform(0.1, 1.99, (1, value_heads, length))), a=f32(a),
-      states=bf16(normal(1, value_heads, n, dk, dv)),
-      d_o=bf16(normal(1, length, value_heads, dv)),
-      delta=bf16(normal(1, length, value_heads, dv)),
+      states=low(normal(1, value_heads, n, dk, dv)),
+      d_o=low(normal(1, length, value_heads, dv)),
+      delta=low(normal(1, length, value_heads, dv)),
       d_m=f32(normal(1, value_heads, length, c)),
       dk=f32(normal(1, length, value_heads, dk)),
       dg=f32(normal(1, value_heads, length, dk)))
 
 
-@pytest.mark.parametrize("heads,value_heads,dk", [(1, 1, 64), (1, 2, 128)])
-def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk):
+# (H, HV, K, V, 16-bit dtype, gate scale): in float16 the gentle chunks'
+# gates fall by about 30 on some channel, factors up to e^15 either side of
+# the midpoint, past float16's e^11.1 (float16 operands gave Inf and NaN).
+_INTRA_CASES = [(1, 1, 64, 128, jnp.bfloat16, 0.05),
+                (1, 2, 128, 64, jnp.bfloat16, 0.05),
+                (1, 1, 64, 64, jnp.float16, 0.5)]
+
+
+@pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale",
+                         _INTRA_CASES)
+def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk, dv,
+                                              dtype, gate_scale):
   """The forward's first pass of the scores through the Mosaic GPU kernel
   (every chunk through its midpoint gate; the Pallas second pass after it
   where the gate falls steeply) against the Pallas passes in float64 on
-  the same 16-bit q and k: A and P to 1e-4 (their operands in two 16-bit
+  the same 16-bit q and k: A and P to 1e-4 (their operands in two bfloat16
   halves), the decayed operands, and g at the chunks' ends to float32
-  accuracy (a's three 16-bit parts sum to it), with grouped value heads in
-  one case, a below the floor at a gentle chunk's first token and a chunk
-  that is not gentle."""
-  x = _intra_inputs(dk + value_heads, heads, value_heads, dk, 64)
+  accuracy (a's three bfloat16 parts sum to it), with grouped value heads
+  in one case, a below the floor at a gentle chunk's first token and a
+  chunk that is not gentle."""
+  x = _intra_inputs(dk + value_heads, heads, value_heads, dk, dv,
+                    dtype=dtype, gate_scale=gate_scale)
   config = pallas.core.KernelConfig(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra", per_channel=True), scale=0.3,
@@ -586,30 +635,34 @@ def test_intra_forward_has_no_races_and_fits_twice():
   (the second block of key channels loaded into the first's tiles once
   they are read; the interpreter copies at once, so the wait for the
   copies out is not checked), and two CTAs fit on a multiprocessor (112
-  KB each, measured from the lowering for CUDA)."""
+  KB each with bfloat16 or float16 q and k, the decayed operands' staging
+  tiles in the scores' place; measured from the lowering for CUDA)."""
   x = _intra_inputs(7, 1, 1, 128, 64)
   mg = compat.Mosaic(interpret=True, detect_races=True)
   jax.block_until_ready(intra.forward(mg, x["q"], x["k"], x["a"], heads=1,
                                       scale=0.3))
   assert not compat.races_found()
   shape = lambda dtype: jax.ShapeDtypeStruct((1, 128, 1, 128), dtype)
-  size = compat.shared_memory_bytes(
-      lambda a, q, k: intra.forward(compat.Mosaic(interpret=False), q, k, a,
-                                    heads=1, scale=0.3),
-      shape(jnp.float32), shape(jnp.bfloat16), shape(jnp.bfloat16))
-  assert size <= 113 * 1024, size
+  for dtype in (jnp.bfloat16, jnp.float16):
+    size = compat.shared_memory_bytes(
+        lambda a, q, k: intra.forward(compat.Mosaic(interpret=False), q, k,
+                                      a, heads=1, scale=0.3),
+        shape(jnp.float32), shape(dtype), shape(dtype))
+    assert size <= 113 * 1024, (dtype, size)
 
 
-@pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
-                                                     (1, 2, 128, 64)])
-def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv):
+@pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale",
+                         _INTRA_CASES)
+def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
+                                               dtype, gate_scale):
   """The scores' backward through the Mosaic GPU kernel (every chunk through
   its midpoint gate; the Pallas pass by blocks after it where the gate
   falls steeply) against the Pallas kernel in float64 on the same 16-bit
   operands: dq, dk, da, db, with grouped value heads in one case, a below
   the floor at a gentle chunk's first token (its da is 0) and a chunk that
   is not gentle; impl="mosaic"'s adapter refuses read keys."""
-  x = _intra_inputs(dk + dv + value_heads, heads, value_heads, dk, dv)
+  x = _intra_inputs(dk + dv + value_heads, heads, value_heads, dk, dv,
+                    dtype=dtype, gate_scale=gate_scale)
   config = pallas.core.KernelConfig(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra_backward", per_channel=True),
@@ -1082,14 +1135,17 @@ def test_ut_backward_shared_memory():
   assert per_head(1, jnp.float32) <= 123_928
   # The scores' backward per channel (64 key channels a CTA, its value
   # blocks' tiles then dk_in and dg_in in one region): 111 KB with 16-bit
-  # dq and dk, two CTAs; 127 KB with grouped value heads' float32 ones.
+  # dq and dk, two CTAs; 127 KB with grouped value heads' float32 ones;
+  # the same with float16 inputs (bfloat16 operands).
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
-  intra_bytes = lambda heads: compat.shared_memory_bytes(
-      lambda *x: intra.backward(mg, *x, scale=0.1), shape(1, 128, 1, 128),
-      shape(1, 128, 1, 128), f32(1, heads, 128, 128), f32(1, heads, 128),
-      f32(1, 128, heads, 128), shape(1, heads, 2, 128, 128),
-      shape(1, 128, heads, 128), shape(1, 128, heads, 128),
-      shape(1, heads, 128, 64), f32(1, 128, heads, 128),
-      f32(1, heads, 128, 128))
-  assert intra_bytes(1) <= 113 * 1024, intra_bytes(1)
-  assert intra_bytes(2) <= 127 * 1024 + 64, intra_bytes(2)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    low = lambda *s, dtype=dtype: shape(*s, dtype=dtype)
+    intra_bytes = lambda heads, low=low: compat.shared_memory_bytes(
+        lambda *x: intra.backward(mg, *x, scale=0.1), low(1, 128, 1, 128),
+        low(1, 128, 1, 128), f32(1, heads, 128, 128), f32(1, heads, 128),
+        f32(1, 128, heads, 128), low(1, heads, 2, 128, 128),
+        low(1, 128, heads, 128), low(1, 128, heads, 128),
+        f32(1, heads, 128, 64), f32(1, 128, heads, 128),
+        f32(1, heads, 128, 128))
+    assert intra_bytes(1) <= 113 * 1024, (dtype, intra_bytes(1))
+    assert intra_bytes(2) <= 127 * 1024 + 64, (dtype, intra_bytes(2))

@@ -5,11 +5,12 @@
 through one set of tiles, the scores summed over them: 112 KB of shared
 memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
 ``g = cumsum(a)`` over the chunk (a floored, as products of its three
-16-bit parts, which sum to it exactly, with a triangle of ones in shared
+bfloat16 parts, which sum to it exactly, with a triangle of ones in shared
 memory, no register operands), the decayed operands ``Q e^g``, ``K e^g``,
-``K e^{g_C - g}``, and ``A = (K e^{g - r}) (K e^{r - g})^T``, ``P = scale
+``K e^{g_C - g}`` (in q's dtype, staged in tiles of their own, in the
+scores' place), and ``A = (K e^{g - r}) (K e^{r - g})^T``, ``P = scale
 (Q e^{g - r}) (K e^{r - g})^T`` through the same midpoint reference ``r``
-as below, their operands in two 16-bit halves each (three products a
+as below, their operands in two bfloat16 halves each (three products a
 pair: float32 accuracy, as the Pallas pass's; with one half, A and P were
 2.4e-3 from it at gates of about -0.1 a token, RESULTS run Y); the Pallas
 second pass rewrites the scores of the chunks whose gate falls steeply.
@@ -31,9 +32,11 @@ transform)::
 through one reference gate per channel, the midpoint ``r`` of the chunk's
 range (the seed's secondary chunking): on a chunk whose gate falls by at most
 :data:`deltajax.pallas.intra.SPAN` (every channel) each factor is at most
-``e^{SPAN / 2}``. This kernel runs on every chunk; the Pallas pass by
-blocks (``intra.backward(..., done=...)``) then rewrites the chunks whose
-gate falls further, where these factors may overflow. On the H200 it took
+``e^{SPAN / 2}``, which the operands' dtype :data:`OPERANDS` (bfloat16
+whatever q's dtype) holds with float32's exponent range. This kernel runs
+on every chunk; the Pallas pass by blocks (``intra.backward(...,
+done=...)``) then rewrites the chunks whose gate falls further, where
+these factors may overflow float32. On the H200 it took
 the step's scores' backward from 869 to 429 us at (4, 4096, 16, 128)
 (RESULTS run W).
 
@@ -41,12 +44,13 @@ One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
 brings q, k (head ``j // G``), the gate's tile and its first and last rows,
 a's first row, beta and dM (16-bit), then dO, Delta and the entry state's
 rows of these channels by blocks of 64 value columns through one set of
-tiles, then dk_in and dg_in in their place; every product has 16-bit
-operands (dP, dM and the decayed operands rounded to them, as the Pallas
-kernel rounds them to TF32) and float32 accumulation; the reverse
-cumulative sum is one product with an upper triangle of ones (in dM's
-tile), of dg's two 16-bit halves. dq and dk are staged in tiles already
-read: 111 KB of shared memory, two CTAs per multiprocessor (127 KB, one,
+tiles, then dk_in and dg_in in their place; the products after dP's and
+the state's read take bfloat16 operands (dP, dM and the decayed operands
+rounded to them, as the Pallas kernel rounds them to TF32) and float32
+accumulation; the reverse cumulative sum is one product with an upper
+triangle of ones (in dM's tile), of dg's two bfloat16 halves. dq and dk
+are staged in q's and k's tiles, once read: 111 KB of shared memory, two
+CTAs per multiprocessor (127 KB, one,
 with grouped value heads' float32 dq and dk; 184 KB, one, with every tile
 its own, run W).
 """
@@ -67,6 +71,17 @@ from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
 KB = 64  # key channels per CTA
+# The dtype of the products' operands formed here, whatever q's 16-bit
+# dtype: bfloat16, with float32's exponent range. Through the midpoint gate
+# an operand carries a factor up to e^{SPAN / 2} = e^20 or down to e^-20.
+# In float16 (65504 = e^11.1, normal down to e^-9.7) K e^{r - g}, scale Q
+# e^{g - r} and b K e^{g - r} overflowed where a chunk's gate fell by more
+# than about 22 (Inf dq, dk, da, db; NaN A and P in the forward), and small
+# factors underflow. float16 inputs pay bfloat16's rounding here, within
+# fla's tolerances: at gates falling by 11 a chunk (where float16 operands
+# held), KDA's dq 2.1e-3 and da 5.4e-3 relative RMS from float64 against
+# their 4.8e-4 and 8.0e-4.
+OPERANDS = jnp.bfloat16
 _CHUNK_INPUTS = 8  # TMA copies: q, k, the gate, its first and last rows,
 # a's first row, beta, dM
 _BLOCK_INPUTS = 3  # per block of BV value columns: dO, Delta, S
@@ -160,7 +175,8 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     r, g = reference(), mg.load(g_s, WGMMA)
     up = jnp.exp(g - r)
     dq = scale * (up * dq + jnp.exp(g) * read)
-    dq_s = kd_s if dq_s is None else dq_s  # kd is read
+    q_dq = load(q_s) * dq  # q is read: its tile stages a 16-bit dq
+    dq_s = q_s if dq_s is None else dq_s
     dq_s[...] = dq.astype(dq_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h, channels])
@@ -171,10 +187,9 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     dk_a = compat.rows(mg.load(b_s, ROWS), keys) * u
     plgpu.barrier_wait(late_bar)
     dk = load(dkin_s) + dk_a + dy
-    dg = load(dgin_s) + load(q_s) * dq + k * (dk_a - dy)
-    # dk staged in its own float32 tile, else in dP's (both [64, 64] and
-    # 16-bit, dP read).
-    dk_s = dkin_s if jnp.dtype(out_dtype) == jnp.float32 else dp_s
+    dg = load(dgin_s) + q_dq + k * (dk_a - dy)
+    # dk staged in its own float32 tile, else in k's (read).
+    dk_s = dkin_s if jnp.dtype(out_dtype) == jnp.float32 else k_s
     dk_s[...] = dk.astype(dk_s.dtype)
     # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
     # with the upper triangle of ones (in dM's tile, read), of dg's two
@@ -235,12 +250,12 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
               jax.ShapeDtypeStruct(per_head, out_dtype),
               jax.ShapeDtypeStruct(per_head, f32),
               jax.ShapeDtypeStruct((d // KB, bsz, heads, t_len), f32)]
-  d_m = d_m.astype(dtype)  # rounded as the products round it
+  d_m = d_m.astype(OPERANDS)  # rounded as the products round it
   keys, square = (C, KB), (C, C)
   vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
-  tile = compat.smem(keys, dtype)
-  scratch = [tile, tile, compat.smem(keys, f32), tile, tile, tile,
-             compat.smem(square, dtype), compat.smem(square, dtype),
+  tile, operand = compat.smem(keys, dtype), compat.smem(keys, OPERANDS)
+  scratch = [tile, tile, compat.smem(keys, f32), operand, operand, operand,
+             compat.smem(square, OPERANDS), compat.smem(square, OPERANDS),
              key_vec, key_vec, key_vec, vec, vec,
              plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
@@ -255,13 +270,12 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
 
 
 def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
-                  kg_ref, kend_ref, a_s, q_s, k_s, hi_s, mid_s, lo_s, qg_s,
-                  kg_s, kend_s, kk_s, p_s, bar, *, groups, scale):
+                  kg_ref, kend_ref, a_s, q_s, k_s, hi_s, mid_s, lo_s, q_rest,
+                  k_rest, kd_rest, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-  dtype = q_s.dtype
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
   parts = lambda tile: [(tile, part) for part in (hi_s, mid_s, lo_s)]
 
@@ -271,34 +285,16 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                     (q_ref.at[bi, tokens, hk, channels], q_s),
                     (k_ref.at[bi, tokens, hk, channels], k_s)), bar)
 
-  load_block(0)
-  qk = kk = None
-  n_blocks = a_ref.shape[3] // KB
-  for j in range(n_blocks):  # the scores summed over blocks of channels
-    channels = pl.ds(j * KB, KB)
-    plgpu.barrier_wait(bar)
-    # a (floored) in three 16-bit parts, which sum to it exactly: sums over
-    # tokens as products with float32 accumulation.
-    a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
-    hi_s[...], rest = a.astype(dtype), a - a.astype(dtype).astype(jnp.float32)
-    mid_s[...], lo_s[...] = ut.halves(rest, dtype)
-    # g = cumsum(a) over the chunk, g_end and the reference r = (g_0 +
-    # g_end) / 2 = (g_end + a_0) / 2 in every row, as products of a's parts
-    # with a lower triangle of ones, ones, and (1, 1/2, ..., 1/2) in every
-    # row, staged in the decayed operands' tiles (free until g is known):
-    # 16-bit register operands of this kind gave wrong rows on the H200
-    # (RESULTS runs W and X).
-    for tile, weights in ((kend_s, jnp.where(cols <= rows, 1.0, 0.0)),
-                          (qg_s, jnp.where(cols < C, 1.0, 0.0)),
-                          (kg_s, jnp.where(cols == 0, 1.0, 0.5))):
-      tile[...] = weights.astype(dtype)
-    plgpu.commit_smem()
-    g, g_end, r = mg.products([(parts(tile), keys, None)
-                               for tile in (kend_s, qg_s, kg_s)])
-    kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(dtype)
+  def decayed(g, g_end, r, channels, qg_s, kg_s, kend_s):
+    """Q e^g, K e^g, K e^{g_C - g} (through staging tiles in q's dtype)
+    and g to HBM; the scores' operands Q e^{g - r}, K e^{g - r} and K e^{r
+    - g} as two :data:`OPERANDS` halves each (the high ones in a's parts'
+    tiles, the rests in ``*_rest``), three products a pair (the rests'
+    product dropped): float32 accuracy, as the Pallas pass's."""
     from_start = jnp.exp(g)
-    qg_s[...] = (load(q_s) * from_start).astype(dtype)
-    kg_s[...] = (load(k_s) * from_start).astype(dtype)
+    qg_s[...] = (load(q_s) * from_start).astype(qg_s.dtype)
+    kg_s[...] = (load(k_s) * from_start).astype(kg_s.dtype)
+    kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(kend_s.dtype)
     a_s[...] = g
     plgpu.commit_smem()
     for src, dst in ((a_s, g_ref.at[bi, h, tokens, channels]),
@@ -306,30 +302,63 @@ def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
                      (kg_s, kg_ref.at[bi, tokens, h, channels]),
                      (kend_s, kend_ref.at[bi, tokens, h, channels])):
       plgpu.copy_smem_to_gmem(src, dst)
-    # The scores' operands Q e^{g - r}, K e^{g - r} and K e^{r - g} as two
-    # 16-bit halves each (the high ones in a's parts' tiles, the rests in
-    # the decayed operands' once copied out), three products a pair (the
-    # rests' product dropped): float32 accuracy, as the Pallas pass's.
     up, down = jnp.exp(g - r), jnp.exp(r - g)
-    operands = ((load(q_s) * up, hi_s, qg_s), (load(k_s) * up, mid_s, kg_s),
-                (load(k_s) * down, lo_s, kend_s))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for x, high, rest in operands:
-      high[...], rest[...] = ut.halves(x, dtype)
+    for x, high, rest in ((load(q_s) * up, hi_s, q_rest),
+                          (load(k_s) * up, mid_s, k_rest),
+                          (load(k_s) * down, lo_s, kd_rest)):
+      high[...], rest[...] = ut.halves(x, OPERANDS)
     plgpu.commit_smem()
+    # The staging tiles (free once this scope ends) and g's are read.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  load_block(0)
+  qk = kk = None
+  n_blocks = a_ref.shape[3] // KB
+  staging = compat.smem(keys, q_s.dtype)
+  for j in range(n_blocks):  # the scores summed over blocks of channels
+    channels = pl.ds(j * KB, KB)
+    plgpu.barrier_wait(bar)
+    # a (floored) in three bfloat16 parts, which sum to it exactly: sums
+    # over tokens as products with float32 accumulation.
+    a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
+    hi_s[...] = a.astype(OPERANDS)
+    mid_s[...], lo_s[...] = ut.halves(
+        a - a.astype(OPERANDS).astype(jnp.float32), OPERANDS)
+    # g = cumsum(a) over the chunk, g_end and the reference r = (g_0 +
+    # g_end) / 2 = (g_end + a_0) / 2 in every row, as products of a's parts
+    # with a lower triangle of ones, ones, and (1, 1/2, ..., 1/2) in every
+    # row, staged in the rests' tiles (free until g is known): 16-bit
+    # register operands of this kind gave wrong rows on the H200 (RESULTS
+    # runs W and X).
+    weights = ((kd_rest, jnp.where(cols <= rows, 1.0, 0.0)),
+               (q_rest, jnp.where(cols < C, 1.0, 0.0)),
+               (k_rest, jnp.where(cols == 0, 1.0, 0.5)))
+    for tile, weight in weights:
+      tile[...] = weight.astype(OPERANDS)
+    plgpu.commit_smem()
+    g, g_end, r = mg.products([(parts(tile), keys, None)
+                               for tile, _ in weights])
+    pl.run_scoped(lambda *tiles, g=g, g_end=g_end, r=r, at=channels:
+                  decayed(g, g_end, r, at, *tiles), staging, staging, staging)
     if j + 1 < n_blocks:  # this block's tiles are read, g's copy out too
       load_block(j + 1)
     split = lambda high, rest: [(high, compat.T(lo_s)),
-                                (high, compat.T(kend_s)),
+                                (high, compat.T(kd_rest)),
                                 (rest, compat.T(lo_s))]
-    qk, kk = mg.products([(split(hi_s, qg_s), square, qk),
-                          (split(mid_s, kg_s), square, kk)])
-  p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
-  kk_s[...] = jnp.where(rows > cols, kk, 0.0)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, h, tokens])
-  plgpu.copy_smem_to_gmem(kk_s, kk_ref.at[bi, h, tokens])
-  plgpu.wait_smem_to_gmem(0)
+    qk, kk = mg.products([(split(hi_s, q_rest), square, qk),
+                          (split(mid_s, k_rest), square, kk)])
+
+  def store_scores(kk_s, p_s):
+    """P and A to HBM, in the staging tiles' place."""
+    p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
+    kk_s[...] = jnp.where(rows > cols, kk, 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, h, tokens])
+    plgpu.copy_smem_to_gmem(kk_s, kk_ref.at[bi, h, tokens])
+    plgpu.wait_smem_to_gmem(0)
+
+  scores = compat.smem(square, jnp.float32)
+  pl.run_scoped(store_scores, scores, scores)
 
 
 def forward(mg, q, k, a, *, heads, scale):
@@ -357,9 +386,8 @@ def forward(mg, q, k, a, *, heads, scale):
   square = jax.ShapeDtypeStruct((bsz, heads, t_len, C), f32)
   out_type = [jax.ShapeDtypeStruct((bsz, heads, t_len, d), f32), square,
               square, decayed, decayed, decayed]
-  keys = compat.smem((C, KB), dtype)
-  scratch = [compat.smem((C, KB), f32), keys, keys, keys, keys, keys, keys,
-             keys, keys, compat.smem((C, C), f32), compat.smem((C, C), f32),
+  tile, operand = compat.smem((C, KB), dtype), compat.smem((C, KB), OPERANDS)
+  scratch = [compat.smem((C, KB), f32), tile, tile, *[operand] * 6,
              plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _forward_body(mg, *refs, groups=heads // h,
                                      scale=scale)
