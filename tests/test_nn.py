@@ -328,6 +328,20 @@ def test_packed_segments_equal_separate_sequences(cls):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ("scan", "chunked"))
+@pytest.mark.parametrize("cls", LAYERS)
+def test_a_non_finite_segment_leaves_the_others_alone(cls, impl):
+  """A NaN in the middle one of three packed sequences (a chunk each): the
+  other two's outputs are those of separate calls."""
+  layer = _layer(cls, impl=impl, chunk_size=16)
+  x = _inputs((1, 48, D_MODEL))
+  ids = jnp.repeat(jnp.arange(3), 16)[None]
+  y = layer(x.at[0, 20, 3].set(jnp.nan), segment_ids=ids)
+  for start, stop in [(0, 16), (32, 48)]:
+    np.testing.assert_allclose(y[:, start:stop], layer(x[:, start:stop]),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls", LAYERS)
 def test_a_segment_id_that_comes_back_starts_a_new_segment(cls):
   """As for the state, the convolution window restarts where the id changes."""
