@@ -101,10 +101,20 @@ def _floored_inputs(gate, seed):
   return x._replace(a=np.where(floored, value, x.a))
 
 
+def _floored_cases():
+  """(impl, gate) pairs of the test below: the Pallas kernels' cuts are per
+  token, and a gate at the floor in single channels stays clamped there."""
+  for impl in ("scan", "chunked", "pallas"):
+    for gate in ("gdn", "kda", "kda single channels"):
+      marks = ()
+      if impl == "pallas" and gate == "kda single channels":
+        marks = pytest.mark.xfail(strict=True, reason="per-token cuts")
+      yield pytest.param(impl, gate, marks=marks, id=f"{impl}-{gate}")
+
+
 @pytest.mark.parametrize("dtype", (jnp.float64, jnp.float32),
                          ids=("float64", "float32"))
-@pytest.mark.parametrize("gate", ("gdn", "kda", "kda single channels"))
-@pytest.mark.parametrize("impl", ("scan", "chunked"))
+@pytest.mark.parametrize("impl,gate", _floored_cases())
 def test_floored_gates_against_the_float64_reference(impl, gate, dtype):
   """A gate at the floor is a full forget, a cut with a = 0: the gates
   after it in its chunk keep their precision."""
