@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import numbers
 
 import jax
@@ -69,10 +70,13 @@ def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
     raise ValueError(f"q has rank {q.ndim} (shape {tuple(q.shape)}); {_FORMS}")
   bsz, t, h, dk = q.shape
   _check_shape("k", k, q.shape, "q.shape [B, T, H, K]")
-  if v.ndim != 4 or tuple(v.shape[:2]) != (bsz, t) or v.shape[2] % h:
+  if v.ndim != 4 or tuple(v.shape[:2]) != (bsz, t) or (h and v.shape[2] % h):
     raise ValueError(f"v must have shape [B, T, HV, V] with B, T = "
                      f"{(bsz, t)} from q and HV a multiple of H = {h}; got "
                      f"{tuple(v.shape)}")
+  if 0 in (t, h, dk, *v.shape[2:]):
+    raise ValueError(f"T, H, HV, K and V must be positive; got q "
+                     f"{tuple(q.shape)}, v {tuple(v.shape)}")
   hv = v.shape[2]
   per_channel = tuple(a.shape) == (bsz, t, hv, dk)
   if require_per_channel and not per_channel:
@@ -94,9 +98,6 @@ def _check_inputs(q, k, v, a, b, initial_state, *, require_per_channel,
     _check_shape("initial_state", initial_state, (n_states, hv, dk, v.shape[-1]),
                  "[N, HV, K, V] (N = B, or the number of sequences of "
                  "cu_seqlens)")
-  if t == 0 or dk == 0 or v.shape[-1] == 0:
-    raise ValueError(f"T, K and V must be positive; got q {tuple(q.shape)}, "
-                     f"v {tuple(v.shape)}")
   if w is not None:
     return "gdn2"
   return "channel" if per_channel else "head"
@@ -244,6 +245,8 @@ def _check_scale(scale, head_dim: int) -> float:
                                                            numbers.Real):
     raise TypeError(f"scale must be a Python or numpy real number or None; "
                     f"got {type(scale).__name__} {scale!r}")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite; got {scale}")
   return float(scale)
 
 
@@ -588,9 +591,12 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
     raise ValueError(f"q must have shape [B, H, K]; got {tuple(q.shape)}")
   bsz, h, dk = q.shape
   _check_shape("k", k, q.shape, "q.shape [B, H, K]")
-  if v.ndim != 3 or v.shape[0] != bsz or v.shape[1] % h:
+  if v.ndim != 3 or v.shape[0] != bsz or (h and v.shape[1] % h):
     raise ValueError(f"v must have shape [B, HV, V] with B = {bsz} and HV a "
                      f"multiple of H = {h}; got {tuple(v.shape)}")
+  if 0 in (h, dk, *v.shape[1:]):
+    raise ValueError(f"H, HV, K and V must be positive; got q "
+                     f"{tuple(q.shape)}, v {tuple(v.shape)}")
   hv = v.shape[1]
   if tuple(a.shape) not in ((bsz, hv), (bsz, hv, dk)):
     raise ValueError(f"a must have shape [B, HV] = {(bsz, hv)} or [B, HV, K] "

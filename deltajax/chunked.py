@@ -68,22 +68,40 @@ def _ut_transform(k, v, gate, b):
   return w, common.mm(t, write * v), m, t
 
 
-def _state_scan(w, u, k_end, decay, initial_state, chunk_seq):
-  """Scan over chunks; returns ``(final_state, entry_states, delta)``."""
+def _corrected(u, w, state, cuts: common.StateCuts):
+  """``Delta = U - W S``; ``W S`` selected away at the tokens that a cut
+  separates from the entry state (their rows of W are 0)."""
+  return u - common.drop(cuts.unread, common.mm(w, state))
+
+
+def _state_scan(w, u, k_end, decay, cuts, initial_state, chunk_seq):
+  """Scan over chunks; returns ``(final_state, entry_states, delta)``.
+
+  ``cuts`` (:class:`common.StateCuts`) select the state away wherever a cut
+  stops it, instead of multiplying it by a zero decay (NaN * 0 is NaN): a
+  non-finite state does not cross a cut into the next chunks. (Within a
+  chunk, a non-finite value still reaches the tokens on the far side of a
+  cut through the products with T and the scores, whose zeros do not stop
+  it.) The entry states are those the chunks use (0 where a cut at the
+  first token discards them).
+  """
 
   def step(state, x):
-    w, u, k_end, decay = x
-    delta = u - common.mm(w, state)
-    new_state = (decay[..., :, None] * state
-                 + common.einsum("...ck,...cv->...kv", k_end, delta))
+    w, u, k_end, decay, cuts = x
+    delta = _corrected(u, w, state, cuts)
+    new_state = (common.drop(cuts.stopped, decay[..., :, None] * state)
+                 + common.einsum("...ck,...cv->...kv", k_end,
+                                 common.drop(cuts.unwritten, delta)))
     return new_state, delta
 
   final_state, (states, delta) = common.scan_chunks(
-      step, initial_state, (w, u, k_end, decay), chunk_seq)
+      step, initial_state, (w, u, k_end, decay, cuts), chunk_seq,
+      enter=lambda state, x: common.drop(x[-1].entry, state))
   return final_state, states, delta
 
 
-def _state_scan_vjp(w, k_end, decay, d_states, d_delta, d_final, chunk_seq):
+def _state_scan_vjp(w, k_end, decay, cuts, d_states, d_delta, d_final,
+                    chunk_seq):
   """Reverse of :func:`_state_scan`.
 
   ``d_states`` and ``d_delta`` are the cotangents that reach each chunk's
@@ -92,14 +110,14 @@ def _state_scan_vjp(w, k_end, decay, d_states, d_delta, d_final, chunk_seq):
   """
 
   def step(d_next, x):
-    w, k_end, decay, d_state, d_delta = x
+    w, k_end, decay, cuts, d_state, d_delta = x
     d_delta = d_delta + common.mm(k_end, d_next)
     d_state = (d_state + decay[..., :, None] * d_next
                - common.einsum("...ck,...cv->...kv", w, d_delta))
-    return d_state, (d_next, d_delta)
+    return common.drop(cuts.entry, d_state), (d_next, d_delta)
 
   return common.scan_chunks_reverse(
-      step, d_final, (w, k_end, decay, d_states, d_delta), chunk_seq)
+      step, d_final, (w, k_end, decay, cuts, d_states, d_delta), chunk_seq)
 
 
 def gated_delta_chunked(q, k, v, a, b, initial_state, cut, chunk_seq, *,
@@ -126,7 +144,8 @@ def _chunked_fwd(q, k, v, a, b, initial_state, cut, chunk_seq, scale,
   c = _prepare(q, k, v, a, b, cut, scale, chunk_size, initial_state.dtype)
   w, u, _, _ = _ut_transform(c.k, c.v, c.gate, c.b)
   final_state, states, delta = _state_scan(
-      w, u, c.k * c.gate.to_end(), c.gate.total(), initial_state, chunk_seq)
+      w, u, c.k * c.gate.to_end(), c.gate.total(), c.gate.state_cuts(),
+      initial_state, chunk_seq)
   o = (common.mm(c.q * c.gate.from_start(), states)
        + common.mm(common.decayed_scores(c.q, c.k, c.gate, strict=False),
                    delta))
@@ -166,7 +185,8 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
   w, u, m, t = _ut_transform(c.k, c.v, c.gate, c.b)
   to_end, decay = c.gate.to_end(), c.gate.total()
   k_end = c.k * to_end
-  delta = u - common.mm(w, states)
+  cuts = c.gate.state_cuts()
+  delta = _corrected(u, w, states, cuts)
   e_g = c.gate.from_start()
   aqk = common.decayed_scores(c.q, c.k, c.gate, strict=False)
 
@@ -182,7 +202,8 @@ def _chunked_bwd(scale, chunk_size, residuals, cotangents):
 
   # State scan, then its inputs: Delta = U - W S and the chunk-end decays.
   d_initial, (d_next, d_delta) = _state_scan_vjp(
-      w, k_end, decay, d_states, d_delta, d_final.astype(dtype), chunk_seq)
+      w, k_end, decay, cuts, d_states, d_delta, d_final.astype(dtype),
+      chunk_seq)
   d_k_end = common.einsum("...cv,...kv->...ck", delta, d_next)
   dk = dk + d_k_end * to_end
   dg = dg - k_end * d_k_end

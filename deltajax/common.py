@@ -11,8 +11,11 @@ implementation; see :data:`deltajax.registry.CONTRACT`):
   ``W = K`` for KDA's per-channel gate, so that the same broadcasting code
   serves both.
 * ``cut`` (bool, a's shape, or None) marks tokens before which the state is
-  discarded: the start of a packed document (``segment_ids``) and a full
-  forget (``a = -inf``, which ``api`` turns into ``a = 0`` with a cut).
+  discarded: the start of a packed document (``segment_ids``). A full
+  forget (``a = -inf``, clamped at :data:`LOG_DECAY_FLOOR`) discards it
+  too: scan, chunked and pallas make it a cut with ``a = 0``
+  (:func:`token_step`, :meth:`ChunkGate.of`, the Pallas kernels' per-token
+  cuts).
 * ``chunk_seq`` (int32 ``[T / C]``, or None) gives, for inputs packed with
   ``cu_seqlens`` (B = 1), the sequence that owns each chunk; ``api`` lays
   the tokens out so that every sequence starts at a chunk boundary.
@@ -113,10 +116,39 @@ def causal_mask(c: int, *, strict: bool) -> jax.Array:
   return (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
 
 
+def drop(mask, x: jax.Array) -> jax.Array:
+  """``x`` zeroed where ``mask`` (None: nowhere), by selection: where a cut
+  stops a state, a non-finite state does not survive as it would a
+  multiplication by a zero decay (NaN * 0 is NaN)."""
+  return x if mask is None else jnp.where(mask, 0, x)
+
+
 def _masked_exp(x: jax.Array, mask) -> jax.Array:
   """``exp(x)`` where ``mask``, else 0; masked *before* ``exp`` (GDN seed,
   section 4.1): where the mask is off, ``x`` can be large and positive."""
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+class StateCuts(NamedTuple):
+  """Where cuts stop a chunk's entry state and the tokens' writes to its
+  exit state, for :func:`drop` (every field None without cuts).
+
+  Attributes:
+    entry: ``[..., W, 1]``: the rows of the entry state (per channel) that a
+      cut at the chunk's first token discards: the chunk never reads them.
+    stopped: ``[..., W, 1]``: the rows of the entry state that a cut in the
+      chunk stops before its end: they do not reach the exit state.
+    unread: ``[..., C, 1]``: the tokens at or after a token cut in every
+      channel, which separates them from the entry state (cuts of single
+      channels at different tokens do not: the UT transform mixes the
+      channels).
+    unwritten: ``[..., C, 1]``: the tokens that a cut in every channel
+      separates from the chunk's end.
+  """
+  entry: jax.Array | None
+  stopped: jax.Array | None
+  unread: jax.Array | None
+  unwritten: jax.Array | None
 
 
 class ChunkGate(NamedTuple):
@@ -159,6 +191,18 @@ class ChunkGate(NamedTuple):
   def total(self) -> jax.Array:
     """``[..., W]``: the entry state's decay over the whole chunk."""
     return self.from_start()[..., -1, :]
+
+  def state_cuts(self) -> StateCuts:
+    """The chunk's :class:`StateCuts`."""
+    n = self.n
+    if n is None:
+      return StateCuts(None, None, None, None)
+    rows = lambda x: x[..., None]
+    tokens = lambda x: jnp.all(x, axis=-1, keepdims=True)
+    whole = tokens(jnp.diff(n, axis=-2, prepend=0) > 0)  # tokens cut whole
+    return StateCuts(rows(n[..., 0, :] > 0), rows(n[..., -1, :] > 0),
+                     jnp.cumsum(whole, axis=-2) > 0,
+                     tokens(n != self._end(n)))
 
   def between(self, strict: bool) -> jax.Array:
     """``[..., C, C, W]``: decay from token ``j`` to ``i`` on the causal triangle."""
@@ -388,15 +432,19 @@ def token_step(state, q, k, v, a, b, cut=None):
     a: ``[..., W]`` log decay, ``W`` in ``{1, K}``.
     b: ``[...]`` beta, or Gated DeltaNet-2's ``(erase [..., K], write [...,
       V])`` (:func:`erase_write`).
-    cut: ``[..., W]`` bool or None: discard the state before this token.
+    cut: ``[..., W]`` bool or None: discard the state before this token
+      (as a full forget, ``a`` at :data:`LOG_DECAY_FLOOR`, does).
 
   Returns:
     ``(new_state, o)`` with ``o`` ``[..., V]``. Decay, then predict, then
     correct: the prediction reads the already decayed state,
     ``u = write * v - S^T (erase * k)``, ``S += k u^T``.
   """
-  decay = jnp.exp(a) if cut is None else jnp.where(cut, 0.0, jnp.exp(a))
-  state = state * decay[..., :, None]
+  forget = a <= LOG_DECAY_FLOOR  # a full forget is a cut (as ChunkGate.of)
+  cut = forget if cut is None else cut | forget
+  # The state is reset by selection, then decayed: a non-finite state does
+  # not survive a cut, nor does its cotangent reach the gate.
+  state = drop(cut[..., :, None], state) * jnp.exp(a)[..., :, None]
   if isinstance(b, tuple):
     erase, write = b
     residual = write * v - einsum("...kv,...k->...v", state, erase * k)
@@ -473,11 +521,13 @@ def sequence_bounds(chunk_seq: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.concatenate([one, change]), jnp.concatenate([change, one])
 
 
-def scan_chunks(step, initial_state, xs, chunk_seq):
+def scan_chunks(step, initial_state, xs, chunk_seq, enter=None):
   """``lax.scan`` of ``step(state, x) -> (state, y)`` over chunks, sequence by sequence.
 
   Args:
     step: one chunk; ``state`` ``[B, HV, K, V]``.
+    enter: None, or ``enter(state, x)``: the state the chunk uses, from the
+      one that arrives (what ``step`` gets and the entry states hold).
     initial_state: ``[N, HV, K, V]``.
     xs: per-chunk inputs, leading axis ``N_chunks``.
     chunk_seq: None (``N = B``, one sequence per row) or ``[N_chunks]``
@@ -489,6 +539,8 @@ def scan_chunks(step, initial_state, xs, chunk_seq):
     ``[N_chunks, B, HV, K, V]`` being the ones each chunk used.
   """
   def entered(state, x):
+    if enter is not None:
+      state = enter(state, x)
     new_state, y = step(state, x)
     return new_state, (state, y)
 

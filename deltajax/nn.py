@@ -142,9 +142,17 @@ def conv_kernel_init(key, shape, dtype=jnp.float32):
   return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
-def _check_positive_int(name: str, value) -> None:
-  if not isinstance(value, int) or value < 1:
+# The API's check of an int option: a TypeError for a bool (``True`` is no
+# count) or a non-integer, naming the option.
+_static_int = api._static_int  # pylint: disable=protected-access
+
+
+def _positive_int(name: str, value) -> int:
+  """``value`` as an int (:func:`_static_int`); a ValueError below 1."""
+  value = _static_int(name, value)
+  if value < 1:
     raise ValueError(f"{name} must be a positive integer; got {value!r}")
+  return value
 
 
 class DeltaRuleLayer(nnx.Module):
@@ -190,10 +198,10 @@ class DeltaRuleLayer(nnx.Module):
                l2_divide: bool = False, impl: str = "auto",
                chunk_size: int = 64, dtype=jnp.float32,
                param_dtype=jnp.float32):
-    _check_positive_int("d_model", d_model)
-    _check_positive_int("num_heads", num_heads)
-    num_v_heads = num_heads if num_v_heads is None else num_v_heads
-    _check_positive_int("num_v_heads", num_v_heads)
+    d_model = _positive_int("d_model", d_model)
+    num_heads = _positive_int("num_heads", num_heads)
+    num_v_heads = _positive_int(
+        "num_v_heads", num_heads if num_v_heads is None else num_v_heads)
     if num_v_heads % num_heads:
       raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of "
                        f"num_heads={num_heads}")
@@ -202,19 +210,19 @@ class DeltaRuleLayer(nnx.Module):
         raise ValueError(f"d_model={d_model} is not divisible by num_heads="
                          f"{num_heads}; pass head_dim")
       head_dim = d_model // num_heads
-    value_head_dim = head_dim if value_head_dim is None else value_head_dim
-    for name, value in (("head_dim", head_dim),
-                        ("value_head_dim", value_head_dim)):
-      _check_positive_int(name, value)
-    for name, value in (("gate_rank", gate_rank),
-                        ("output_gate_rank", output_gate_rank)):
-      if value is not None:
-        _check_positive_int(name, value)
-    if not isinstance(conv_size, int) or conv_size < 1:
-      raise ValueError(f"conv_size must be at least 1; got {conv_size}")
+    head_dim = _positive_int("head_dim", head_dim)
+    value_head_dim = _positive_int("value_head_dim", head_dim
+                                   if value_head_dim is None
+                                   else value_head_dim)
+    gate_rank, output_gate_rank = (
+        None if value is None else _positive_int(name, value)
+        for name, value in (("gate_rank", gate_rank),
+                            ("output_gate_rank", output_gate_rank)))
+    conv_size = _positive_int("conv_size", conv_size)
     if impl not in api.IMPLEMENTATIONS:
       raise ValueError(f"impl must be one of {api.IMPLEMENTATIONS}; got "
                        f"{impl!r}")
+    chunk_size = _static_int("chunk_size", chunk_size)
     if chunk_size not in CHUNK_SIZES:
       raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}; got "
                        f"{chunk_size!r}")
@@ -266,7 +274,7 @@ class DeltaRuleLayer(nnx.Module):
 
   def init_cache(self, batch_size: int) -> DeltaCache:
     """An empty :class:`DeltaCache`: no tokens seen yet."""
-    _check_positive_int("batch_size", batch_size)
+    batch_size = _positive_int("batch_size", batch_size)
     return DeltaCache(
         conv=self._empty_history(batch_size),
         state=jnp.zeros(self._state_shape(batch_size), jnp.float32))

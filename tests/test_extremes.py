@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import reference
 import utils
 
 AGREEMENT = 1e-4  # chunked vs scan, float32
@@ -78,3 +79,55 @@ def test_long_sequence_forward_is_finite_and_agrees(per_channel):
              for impl in ("chunked", "scan")}
   chex.assert_tree_all_finite(outputs)
   _assert_agree(outputs["chunked"], outputs["scan"])
+
+
+# Against the float64 reference (relative RMS error of the outputs and of
+# every gradient): float64, and float32 about as close as chunked gets.
+FLOORED_TOLERANCE = {jnp.float64: 1e-14, jnp.float32: 3e-6}
+
+
+def _floored_inputs(gate, seed):
+  """Inputs whose gate is at the floor (a = -inf or -1e4, half each) on 10 %
+  of the tokens (every channel), or per channel on 10 % of single
+  channels, in chunks of 64: cuts inside the chunks."""
+  x = utils.random_inputs(seed, batch=1, length=128, heads=2, key_dim=16,
+                          value_dim=16, per_channel=gate != "gdn")
+  rng = np.random.default_rng(seed)
+  shape = x.a.shape if gate == "kda single channels" else x.a.shape[:3]
+  floored = rng.uniform(size=shape) < 0.1
+  value = np.where(rng.uniform(size=shape) < 0.5, -np.inf, -1e4)
+  if gate == "kda":
+    floored, value = floored[..., None], value[..., None]
+  return x._replace(a=np.where(floored, value, x.a))
+
+
+def _floored_cases():
+  """(impl, gate) pairs of the test below: the Pallas kernels' cuts are per
+  token, and a gate at the floor in single channels stays clamped there."""
+  for impl in ("scan", "chunked", "pallas"):
+    for gate in ("gdn", "kda", "kda single channels"):
+      marks = ()
+      if impl == "pallas" and gate == "kda single channels":
+        marks = pytest.mark.xfail(strict=True, reason="per-token cuts")
+      yield pytest.param(impl, gate, marks=marks, id=f"{impl}-{gate}")
+
+
+@pytest.mark.parametrize("dtype", (jnp.float64, jnp.float32),
+                         ids=("float64", "float32"))
+@pytest.mark.parametrize("impl,gate", _floored_cases())
+def test_floored_gates_against_the_float64_reference(impl, gate, dtype):
+  """A gate at the floor is a full forget, a cut with a = 0: the gates
+  after it in its chunk keep their precision."""
+  x = _floored_inputs(gate, seed=8)
+  cotangents = utils.random_cotangents(9, x)
+  with jax.enable_x64(True):
+    rounded = tuple(jnp.asarray(jnp.asarray(t, dtype), jnp.float64)
+                    for t in x)
+    ref = utils.vjp(reference.plain_scan, rounded, cotangents)
+  with jax.enable_x64(dtype == jnp.float64):
+    got = utils.vjp(functools.partial(utils.gated_delta, impl, scale=1.0,
+                                      chunk_size=64),
+                    tuple(jnp.asarray(t, dtype) for t in x), cotangents)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    assert utils.relative_rms_error(g, r) < FLOORED_TOLERANCE[dtype], (
+        utils.relative_rms_error(g, r))

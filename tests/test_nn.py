@@ -328,6 +328,20 @@ def test_packed_segments_equal_separate_sequences(cls):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ("scan", "chunked"))
+@pytest.mark.parametrize("cls", LAYERS)
+def test_a_non_finite_segment_leaves_the_others_alone(cls, impl):
+  """A NaN in the middle one of three packed sequences (a chunk each): the
+  other two's outputs are those of separate calls."""
+  layer = _layer(cls, impl=impl, chunk_size=16)
+  x = _inputs((1, 48, D_MODEL))
+  ids = jnp.repeat(jnp.arange(3), 16)[None]
+  y = layer(x.at[0, 20, 3].set(jnp.nan), segment_ids=ids)
+  for start, stop in [(0, 16), (32, 48)]:
+    np.testing.assert_allclose(y[:, start:stop], layer(x[:, start:stop]),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls", LAYERS)
 def test_a_segment_id_that_comes_back_starts_a_new_segment(cls):
   """As for the state, the convolution window restarts where the id changes."""
@@ -382,6 +396,17 @@ def test_l2_normalize_forms_agree():
     (dict(chunk_size=128), ValueError, "chunk_size"),
     (dict(output_gate="relu"), ValueError, "output_gate"),
     (dict(gate_rank=0), ValueError, "gate_rank"),
+    # Integer options refuse bools (True is no count) and non-integers.
+    (dict(d_model=True), TypeError, "d_model must be an int; got bool True"),
+    (dict(num_heads=True), TypeError, "num_heads must be an int; got bool"),
+    (dict(num_v_heads=True), TypeError, "num_v_heads must be an int"),
+    (dict(head_dim=True), TypeError, "head_dim must be an int"),
+    (dict(value_head_dim=True), TypeError, "value_head_dim must be an int"),
+    (dict(conv_size=True), TypeError, "conv_size must be an int"),
+    (dict(gate_rank=True), TypeError, "gate_rank must be an int"),
+    (dict(output_gate_rank=False), TypeError, "output_gate_rank must be an"),
+    (dict(chunk_size=True), TypeError, "chunk_size must be an int"),
+    (dict(head_dim=8.0), TypeError, "head_dim must be an int; got float"),
 ])
 def test_invalid_layer_options_name_the_argument(options, error, message):
   options = dict(dict(d_model=D_MODEL, num_heads=HEADS), **options)
@@ -407,6 +432,7 @@ def test_invalid_layer_options_name_the_argument(options, error, message):
     (lambda l: l(_inputs((2, 5, D_MODEL)), cache=l.init_cache(2),
                  segment_ids=jnp.zeros((2, 5), jnp.int32)),
      ValueError, "segment_ids .* cannot be combined with cache"),
+    (lambda l: l.init_cache(True), TypeError, "batch_size must be an int"),
 ])
 def test_invalid_call_arguments_name_the_argument(call, error, message):
   with pytest.raises(error, match=message):

@@ -59,16 +59,20 @@ def test_pallas_matches_float64_reference(x64, shape, gate):
   np.testing.assert_allclose(s, ref_s, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("impl", ("jnp", "pallas"))
 @pytest.mark.parametrize("gate", GATES)
-def test_full_forget_at_the_floor(x64, gate):
-  """``a = -inf`` (one head, or half the channels) drops the state."""
+def test_full_forget_at_the_floor(x64, gate, impl):
+  """``a = -inf`` (one head, or half the channels) drops the state, even
+  a non-finite one (NaN there)."""
   state, q, k, v, a, b = _token(_inputs(SHAPES[1], gate, seed=5))
-  a = a.copy()
+  a, bad = a.copy(), state.copy()
   a[0, 1] = -np.inf
+  bad[0, 1] = np.nan
   if gate == "kda":
     a[0, 2, ::2] = -np.inf
+    bad[0, 2, ::2] = np.inf
   o, s = deltajax.gated_delta_step(
-      *(jnp.asarray(y) for y in (state, q, k, v, a, b)), impl="pallas")
+      *(jnp.asarray(y) for y in (bad, q, k, v, a, b)), impl=impl)
   ref_o, ref_s = _reference(state, q, k, v, a, b)
   assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
   np.testing.assert_allclose(o, ref_o, rtol=0, atol=1e-12)

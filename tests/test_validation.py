@@ -47,10 +47,19 @@ BAD_CALLS = {
                 dict(b=_zeros(B, T, H, 1))),
     "state shape": (ValueError, r"initial_state must have shape \[N, HV, K, V\]",
                     dict(initial_state=_zeros(B, H, V, K))),
-    "empty T": (ValueError, r"T, K and V must be positive",
+    "empty T": (ValueError, r"T, H, HV, K and V must be positive",
                 dict(q=_zeros(B, 0, H, K), k=_zeros(B, 0, H, K),
                      v=_zeros(B, 0, H, V), a=_zeros(B, 0, H),
                      b=_zeros(B, 0, H))),
+    "no heads": (ValueError, r"T, H, HV, K and V must be positive; got q "
+                 r"\(2, 6, 0, 4\)",
+                 dict(q=_zeros(B, T, 0, K), k=_zeros(B, T, 0, K),
+                      v=_zeros(B, T, 0, V), a=_zeros(B, T, 0),
+                      b=_zeros(B, T, 0))),
+    "no value heads": (ValueError, r"T, H, HV, K and V must be positive; got "
+                       r".* v \(2, 6, 0, 5\)",
+                       dict(v=_zeros(B, T, 0, V), a=_zeros(B, T, 0),
+                            b=_zeros(B, T, 0))),
     "integer q": (TypeError, r"q must be a floating-point array",
                   dict(q=jnp.ones((B, T, H, K), jnp.int32))),
     "integer state": (TypeError, r"initial_state must be a floating-point",
@@ -68,6 +77,10 @@ BAD_CALLS = {
                        dict(chunk_size=8, impl="pallas")),
     "string scale": (TypeError, r"scale must be a Python or numpy real number",
                      dict(scale="x")),
+    "NaN scale": (ValueError, r"scale must be finite; got nan",
+                  dict(scale=float("nan"))),
+    "infinite scale": (ValueError, r"scale must be finite; got -inf",
+                       dict(scale=-np.inf)),
     "segment_ids float": (TypeError, r"segment_ids must be an integer array",
                           dict(segment_ids=_zeros(B, T))),
     "segment_ids shape": (ValueError, r"segment_ids must have shape \[B, T\]",
@@ -115,6 +128,16 @@ def test_kda_needs_per_channel_gate():
     deltajax.kda(**_args())
 
 
+@pytest.mark.parametrize("scale", (np.nan, np.inf))
+@pytest.mark.parametrize("rule", ("kda", "gdn2"))
+def test_kda_and_gdn2_refuse_a_non_finite_scale(rule, scale):
+  args = _args(a=_zeros(B, T, H, K), scale=scale)
+  if rule == "gdn2":  # the erase and write gates
+    args |= dict(b=_zeros(B, T, H, K), w=_zeros(B, T, H, V))
+  with pytest.raises(ValueError, match=r"scale must be finite"):
+    getattr(deltajax, rule)(**args)
+
+
 BAD_STEPS = {
     "q rank": (ValueError, r"q must have shape \[B, H, K\]",
                dict(q=_zeros(B, K))),
@@ -130,6 +153,20 @@ BAD_STEPS = {
                   dict(v=jnp.ones((B, H, V), jnp.int32))),
     "impl": (ValueError, r"impl must be one of \('auto', 'jnp', 'pallas'\)",
              dict(impl="scan")),
+    "NaN scale": (ValueError, r"scale must be finite; got nan",
+                  dict(scale=np.nan)),
+    "no heads": (ValueError, r"H, HV, K and V must be positive; got q "
+                 r"\(2, 0, 4\)",
+                 dict(state=_zeros(B, 0, K, V), q=_zeros(B, 0, K),
+                      k=_zeros(B, 0, K), v=_zeros(B, 0, V), a=_zeros(B, 0),
+                      b=_zeros(B, 0))),
+    "no value heads": (ValueError, r"H, HV, K and V must be positive; got .* "
+                       r"v \(2, 0, 5\)",
+                       dict(state=_zeros(B, 0, K, V), v=_zeros(B, 0, V),
+                            a=_zeros(B, 0), b=_zeros(B, 0))),
+    "K = 0": (ValueError, r"H, HV, K and V must be positive",
+              dict(state=_zeros(B, H, 0, V), q=_zeros(B, H, 0),
+                   k=_zeros(B, H, 0))),
 }
 
 

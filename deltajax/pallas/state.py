@@ -14,11 +14,13 @@ decays scale the products' rows (:func:`core.decayed_dot`).
 
 Optional inputs, each a static branch (none of their work without them):
 ``cuts`` (the chunk-local cumulative cut count: the decays of :mod:`core` are
-0 across a cut) and ``chunk_seq`` (packed sequences, B = 1: chunk m belongs to
-sequence ``chunk_seq[m]``; the state entering a sequence's first chunk is its
-initial state, its final state is the one leaving its last chunk; backward,
-the final state's cotangent enters at the last chunk and the carried
-cotangent leaves at the first chunk as the initial state's).
+0 across a cut; a cut at a chunk's first token discards the state by
+selection, :func:`_entered`) and ``chunk_seq`` (packed sequences, B = 1:
+chunk m belongs to sequence ``chunk_seq[m]``; the state entering a
+sequence's first chunk is its initial state, its final state is the one
+leaving its last chunk; backward, the final state's cotangent enters at the
+last chunk and the carried cotangent leaves at the first chunk as the
+initial state's).
 """
 
 from __future__ import annotations
@@ -41,10 +43,24 @@ def _boundaries(seq_ref, n, n_chunks):
 
 
 def _cut_tiles(cuts_ref, n, c):
-  """The chunk's cut counts and the count at its end (None without cuts)."""
+  """The chunk's cut counts ``[C]`` and the counts at its first and last
+  token (None without cuts)."""
   if cuts_ref is None:
-    return None, None
-  return cuts_ref[pl.ds(n * c, c)], cuts_ref[n * c + c - 1]
+    return None, None, None
+  return (cuts_ref[pl.ds(n * c, c)], cuts_ref[n * c],
+          cuts_ref[n * c + c - 1])
+
+
+def _entered(s, cuts_first):
+  """The state a chunk uses: 0 where a cut at its first token discards it,
+  by selection (NaN * 0 is NaN: a non-finite state does not cross the
+  cut); backward, the cotangent that leaves the chunk for its entry state.
+
+  A cut inside a chunk still multiplies the state by zero decays: Delta =
+  T diag(b) (V - (K e^g) S) mixes the tokens on both sides of the cut in
+  one product with T, whose zeros across the cut do not stop a non-finite
+  value."""
+  return s if cuts_first is None else jnp.where(cuts_first > 0, 0, s)
 
 
 def _keys(g_ref, k_ref, kg_ref, kd_ref, n, c, cuts, cuts_end, dot):
@@ -81,10 +97,12 @@ def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
     if seq_ref is not None:
       seq, first, last = _boundaries(seq_ref, n, n_chunks)
       s = lax.cond(first, lambda: s0_ref[seq].astype(acc), lambda: s)
+    cuts, cuts_first, cuts_end = _cut_tiles(cuts_ref, n, c)
+    s = _entered(s, cuts_first)
     states_ref[n] = s.astype(states_ref.dtype)
     beta = b_ref[rows].astype(acc)
     from_start, to_end, decay = _keys(g_ref, k_ref, kg_ref, kd_ref, n, c,
-                                      *_cut_tiles(cuts_ref, n, c), dot)
+                                      cuts, cuts_end, dot)
     # Delta = U - W S = T diag(b) (V - (K e^g) S): W and U are never formed.
     y = v_ref[rows, :].astype(acc) - from_start(s)
     delta = dot(t_ref[rows, :], (beta[:, None] * y).astype(dtype))
@@ -130,7 +148,7 @@ def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
     # The previous chunk's tiles are loaded before this chunk's products, so
     # their latency is hidden (measured faster than Triton's pipelining here,
     # but slower in the forward scan).
-    ds, ((q, k, w, g, g_end), d_o, dd, (cuts, cuts_end)) = carry
+    ds, ((q, k, w, g, g_end), d_o, dd, (cuts, cuts_first, cuts_end)) = carry
     n = n_chunks - 1 - i
     next_tiles = load(jnp.maximum(n - 1, 0))
     if seq_ref is not None:
@@ -148,8 +166,8 @@ def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
           scale * core.from_start(g, cuts))).astype(dtype), d_o, trans_a=True)
     d_delta_ref[pl.ds(n * c, c), :] = d_delta
     # dS_in = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
-    ds = (read + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
-          - dot(w, d_delta.astype(dtype), trans_a=True))
+    ds = _entered(read + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
+                  - dot(w, d_delta.astype(dtype), trans_a=True), cuts_first)
     if seq_ref is not None:
       @pl.when(first)
       def _():

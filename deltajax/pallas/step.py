@@ -40,8 +40,11 @@ def _step_kernel(*, s_ref, q_ref, k_ref, v_ref, a_ref, erase_ref, write_ref,
   dtype = new_s_ref.dtype
   q = q_ref[...].astype(dtype)[:, None] * scale
   k = k_ref[...].astype(dtype)[:, None]
-  decay = jnp.exp(common.floored(_per_row(a_ref, dtype)))
-  s = s_ref[...].astype(dtype) * decay
+  a = _per_row(a_ref, dtype)
+  # A full forget (a at the floor) discards the state by selection, as
+  # common.token_step does: a non-finite state does not survive it.
+  s = jnp.where(a <= common.LOG_DECAY_FLOOR, 0,
+                s_ref[...].astype(dtype)) * jnp.exp(common.floored(a))
   prediction = jnp.sum(s * (_per_row(erase_ref, dtype) * k), axis=0)
   write = (write_ref[...] if write_ref.shape[0] > 1 else write_ref[0])
   residual = write.astype(dtype) * v_ref[...].astype(dtype) - prediction
@@ -90,7 +93,8 @@ def gated_delta_step_pallas(state, q, k, v, a, b, *, scale, config=None):
       reads q/k head ``j // G`` through the index maps); any float dtypes,
       read as they are and computed in the state's dtype.
     a: ``[B, HV]`` or ``[B, HV, K]`` log decay, clamped at
-      :data:`common.LOG_DECAY_FLOOR`; b: ``[B, HV]``, or Gated DeltaNet-2's
+      :data:`common.LOG_DECAY_FLOOR` (there a full forget, which discards
+      the state's rows); b: ``[B, HV]``, or Gated DeltaNet-2's
       ``(erase [B, HV, K], write [B, HV, V])`` (a per channel).
     scale: Python float multiplying q.
     config: :class:`core.KernelConfig` (None: the defaults); its ``step``
