@@ -1,7 +1,14 @@
 """pytest fixtures shared by the test files."""
 
-import jax
-import pytest
+import os
+
+# Parallel workers (pytest-xdist, ``-n``) share one GPU: none of them takes
+# most of its memory up front.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 
 
 @pytest.fixture

@@ -5,13 +5,14 @@ zeroed), its KDA and Gated DeltaNet-2 shapes (with the gate formed inside
 from ``A_log``/``dt_bias``, the safe gate clamped at -5 and the q/k L2 norm
 inside), its packed sequences (``cu_seqlens``, gates of -1000 on masked
 tokens) and grouped value heads, each in float16 and bfloat16, against the
-float64 chunked form on the same rounded inputs: fla's metric and
-tolerances (relative RMS error), every output and gradient finite.
+float64 token recurrence (``impl="scan"``, the definition) on the same
+rounded inputs: fla's metric and tolerances (relative RMS error), every
+output and gradient finite.
 
 Cases of one shape and scale share a call (their rows side by side in the
 batch), and both dtypes share the float64 reference, so the module compiles
-once per shape, scale and dtype. Run it with ``python -m pytest -m gpu
-tests/test_gpu_fla.py``.
+once per shape, scale and dtype; compiling dominates, so the GPU tests run
+in parallel workers: ``python -m pytest -m gpu -n 8 tests``.
 """
 
 import functools
@@ -114,13 +115,13 @@ def _check(rule, args, cts, *, cases=1, packed=False, label="", **options):
   as_float64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
   with jax.enable_x64(True):
     if packed:
-      refs = [_value_and_grads(rule, "chunked", tuple(map(as_float64, low)),
+      refs = [_value_and_grads(rule, "scan", tuple(map(as_float64, low)),
                                cts, **options) for low in calls]
     else:
       both = tuple(as_float64(np.concatenate([np.asarray(low[i], np.float64)
                                               for low in calls]))
                    for i in range(len(args)))
-      ref = _value_and_grads(rule, "chunked", both,
+      ref = _value_and_grads(rule, "scan", both,
                              tuple(np.concatenate([c, c]) for c in cts),
                              **options)
       refs = [{n: x[i * len(x) // 2:(i + 1) * len(x) // 2]
