@@ -29,13 +29,7 @@ from deltajax.mosaic import ops as mosaic_ops
 from deltajax.pallas import ut as pallas_ut
 import utils
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        pallas.gpu_capability() is None
-        or pallas.gpu_capability() < pallas.MIN_CAPABILITY,
-        reason="needs an NVIDIA GPU of compute capability >= 8.0"),
-]
+pytestmark = utils.GPU_TESTS
 
 _needs_hopper = pytest.mark.skipif(
     pallas.gpu_capability() is None

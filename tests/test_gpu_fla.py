@@ -23,15 +23,9 @@ import numpy as np
 import pytest
 
 import deltajax
-from deltajax import pallas
+import utils
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        pallas.gpu_capability() is None
-        or pallas.gpu_capability() < pallas.MIN_CAPABILITY,
-        reason="needs an NVIDIA GPU of compute capability >= 8.0"),
-]
+pytestmark = utils.GPU_TESTS
 
 DTYPES = (jnp.float16, jnp.bfloat16)
 TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, da=0.02,

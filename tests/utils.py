@@ -7,7 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pytest
+
 import deltajax
+from deltajax import pallas
+
+# The marks of a GPU test module: ``-m gpu`` selects it; skipped without an
+# NVIDIA GPU the Pallas kernels run on.
+GPU_TESTS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        pallas.gpu_capability() is None
+        or pallas.gpu_capability() < pallas.MIN_CAPABILITY,
+        reason="needs an NVIDIA GPU of compute capability >= 8.0"),
+]
 
 
 class Float64TestCase(chex.TestCase):
