@@ -292,7 +292,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       does not run and the output's backward writes no dDelta_local. True
       needs all of :data:`BACKWARD` and schedule "specialized"; None (the
       default) means True where they are, compiled or interpreted alike
-      (forward+backward on the H200, RESULTS run S: 1.054 against 1.112 ms
+      (forward+backward on the H200: 1.054 against 1.112 ms
       at (4, 4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
       temporaries 483 against 613 MiB).
     fused_grads: the output's backward and the backward through the UT
