@@ -153,10 +153,12 @@ def test_pieces_in_the_specialized_scan():
 
 def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
                      per_channel):
-  """Traces the default path as compiled for the GPU (the interpreter off):
-  abstract ``(q, k, v, a, b, h0)`` at ``[1, t, ., dim]``."""
+  """Traces the default path as compiled for the GPU (the interpreter off,
+  ``fused_reverse`` by its compiled default): abstract ``(q, k, v, a, b,
+  h0)`` at ``[1, t, ., dim]``."""
   monkeypatch.setattr(ops, "_mosaic_gpu",
                       lambda: compat.Mosaic(interpret=False))
+  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   keys = shape(1, t, kv_heads, dim)
@@ -720,14 +722,29 @@ def _kernel_names(jaxpr):
   return names
 
 
+def _compiled_default(monkeypatch):
+  """The interpreter runs ``fused_reverse``'s compiled default (one CTA a
+  kernel: interpreted, the three-warpgroup backward can deadlock on two
+  cores, so it is off there by default)."""
+  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
+
+
+def test_fused_reverse_by_default_only_compiled():
+  """``fused_reverse`` is on by default where the kernels are compiled
+  (None: where its kernels are), off in the interpreter."""
+  assert ops._default_fused_reverse() is False
+  assert ops._option("fused_reverse", None, mosaic.BACKWARD,
+                     mosaic.BACKWARD)
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
 def test_default_kernels_are_the_same_compiled_and_interpreted(
     per_channel, monkeypatch):
-  """The default forward and backward launch the same kernels compiled for
-  the GPU and in the interpreter (the interpreted tests run what
-  ``impl="auto"`` runs on Hopper), at K = V = 32 too: every kernel in its
-  Mosaic GPU form, the per-head gate's backward through the three-warpgroup
-  reverse pass and chunk_backward."""
+  """The compiled default forward and backward launch the same kernels
+  compiled for the GPU and in the interpreter (the interpreted tests run
+  what ``impl="auto"`` runs on Hopper), at K = V = 32 too: every kernel in
+  its Mosaic GPU form, the per-head gate's backward through the
+  three-warpgroup reverse pass and chunk_backward."""
   args = _compiled_inputs(monkeypatch, 128, 1, 1, 32, per_channel)
 
   def loss(*x):
@@ -752,10 +769,11 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
 # not a multiple of the chunk, K != V padded (100 -> 128, 40 -> 64).
 @pytest.mark.parametrize("shape", [(70, 32, 32, jnp.float16),
                                    (130, 100, 40, jnp.bfloat16)], ids=str)
-def test_default_path_matches_float64(shape):
+def test_default_path_matches_float64(shape, monkeypatch):
   """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
   ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
   chunk_backward."""
+  _compiled_default(monkeypatch)
   t, dk, dv, dtype = shape
   _check(utils.random_inputs(t + dk, batch=1, length=t, heads=1, key_dim=dk,
                              value_dim=dv, gate_scale=0.25, state_scale=0.1),
