@@ -51,8 +51,7 @@ def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True):
   """Mosaic on q, k, v in ``dtype`` against float64 on the same values;
   under ``jax_enable_x64`` (``x64``: the kernels' int32 indexing holds
   there, and the scan takes one warpgroup) or outside it (as ``"auto"``
-  runs: three warpgroups; the interpreter can stall with several such CTAs
-  on two cores, so one CTA a kernel)."""
+  runs: three warpgroups)."""
   cts = utils.random_cotangents(1, x)
   args = (tuple(jnp.asarray(t, dtype) for t in x[:3])
           + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
@@ -153,12 +152,10 @@ def test_pieces_in_the_specialized_scan():
 
 def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
                      per_channel):
-  """Traces the default path as compiled for the GPU (the interpreter off,
-  ``fused_reverse`` by its compiled default): abstract ``(q, k, v, a, b,
-  h0)`` at ``[1, t, ., dim]``."""
+  """Traces the default path as compiled for the GPU (the interpreter
+  off): abstract ``(q, k, v, a, b, h0)`` at ``[1, t, ., dim]``."""
   monkeypatch.setattr(ops, "_mosaic_gpu",
                       lambda: compat.Mosaic(interpret=False))
-  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   keys = shape(1, t, kv_heads, dim)
@@ -722,19 +719,13 @@ def _kernel_names(jaxpr):
   return names
 
 
-def _compiled_default(monkeypatch):
-  """The interpreter runs ``fused_reverse``'s compiled default (one CTA a
-  kernel: interpreted, the three-warpgroup backward can deadlock on two
-  cores, so it is off there by default)."""
-  monkeypatch.setattr(ops, "_default_fused_reverse", lambda: None)
-
-
-def test_fused_reverse_by_default_only_compiled():
-  """``fused_reverse`` is on by default where the kernels are compiled
-  (None: where its kernels are), off in the interpreter."""
-  assert ops._default_fused_reverse() is False
-  assert ops._option("fused_reverse", None, mosaic.BACKWARD,
-                     mosaic.BACKWARD)
+def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
+  """With fewer XLA CPU threads than a kernel's warpgroups and their caller,
+  the interpreter would wait forever at the first barrier: refused."""
+  monkeypatch.setenv("NPROC", "3")
+  with pytest.raises(RuntimeError, match="needs 4; this process has 3"):
+    compat._check_interpreter_threads(3)
+  compat._check_interpreter_threads(2)
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
@@ -765,15 +756,14 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
             "deltajax_mosaic_chunk_backward"} <= set(compiled)
 
 
-# (T, K, V, dtype), one CTA a kernel: K = V = 32 in float16 (fla's grid), T
-# not a multiple of the chunk, K != V padded (100 -> 128, 40 -> 64).
+# (T, K, V, dtype): K = V = 32 in float16 (fla's grid), T not a multiple of
+# the chunk, K != V padded (100 -> 128, 40 -> 64).
 @pytest.mark.parametrize("shape", [(70, 32, 32, jnp.float16),
                                    (130, 100, 40, jnp.bfloat16)], ids=str)
-def test_default_path_matches_float64(shape, monkeypatch):
+def test_default_path_matches_float64(shape):
   """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
   ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
   chunk_backward."""
-  _compiled_default(monkeypatch)
   t, dk, dv, dtype = shape
   _check(utils.random_inputs(t + dk, batch=1, length=t, heads=1, key_dim=dk,
                              value_dim=dv, gate_scale=0.25, state_scale=0.1),

@@ -29,6 +29,7 @@ compiled only on the GPU (benchmarks/mosaic_check.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -52,6 +53,27 @@ def interpret_params(detect_races=False):
   except ImportError:  # a JAX without the Mosaic GPU interpreter
     return None
   return InterpretGPUParams(detect_races=detect_races)
+
+
+def cpu_threads():
+  """The threads of XLA's CPU runtime: ``NPROC`` where it is set, else the
+  CPUs this process may run on (as XLA counts them)."""
+  nproc = os.environ.get("NPROC", "")
+  return int(nproc) if nproc.isdigit() else len(os.sched_getaffinity(0))
+
+
+def _check_interpreter_threads(warpgroups):
+  """The interpreter runs a kernel's warpgroups as concurrent XLA CPU
+  computations, which wait for each other at barriers, beside the one that
+  called them: with fewer CPU runtime threads than that, it would wait
+  forever."""
+  needed = warpgroups + 1
+  if cpu_threads() < needed:
+    raise RuntimeError(
+        f"the Mosaic GPU interpreter runs this kernel's {warpgroups} "
+        f"warpgroups concurrently on XLA's CPU threads, and needs "
+        f"{needed}; this process has {cpu_threads()}. Set NPROC={needed} "
+        f"(or more) in the environment before JAX starts.")
 
 
 def races_found():
@@ -140,6 +162,7 @@ class Mosaic:
     with 32-bit defaults: the kernels index with int32 (block ids, loop
     counters), which ``jax_enable_x64`` would mix with int64."""
     if self.interpret:
+      _check_interpreter_threads(kwargs.get("num_threads") or 1)
       call = plgpu.kernel(body, interpret=interpret_params(self.detect_races),
                           **kwargs)
     else:

@@ -291,8 +291,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       dDelta_local itself (:func:`reverse.specialized`): :func:`ut.w_u`
       does not run and the output's backward writes no dDelta_local. True
       needs all of :data:`BACKWARD` and schedule "specialized"; None (the
-      default) means True where they are, compiled on a GPU, not in the
-      interpreter (:func:`_default_fused_reverse`) (forward+backward on
+      default) means True where they are (forward+backward on
       the H200: 1.054 against 1.112 ms
       at (4, 4096, 16, 128), 3.107 against 3.304 at (1, 8192, 96, 128),
       temporaries 483 against 613 MiB).
@@ -371,8 +370,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if fused_reverse and schedule != "specialized":
     raise ValueError(f"fused_reverse needs schedule 'specialized'; got "
                      f"{schedule!r}")
-  if fused_reverse is None:
-    fused_reverse = _default_fused_reverse()
   fused_reverse = _option("fused_reverse", fused_reverse, _PER_HEAD,
                           backward) and schedule == "specialized"
   if fused_grads is None:
@@ -419,15 +416,6 @@ def _default_pieces(ctas, n_chunks):
          and n_chunks // (2 * pieces) >= 16):
     pieces *= 2
   return pieces
-
-
-def _default_fused_reverse():
-  """``fused_reverse`` when none is asked for: None (on where its kernels
-  are) compiled on a GPU; False in the interpreter, which can deadlock in
-  the three-warpgroup backward (its warpgroups' barrier waits on two
-  cores). The interpreted tests run the compiled default by setting this
-  to None, one CTA a kernel (tests/test_mosaic.py)."""
-  return False if _mosaic_gpu().interpret else None
 
 
 def _option(name, value, needs, backward):
