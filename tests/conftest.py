@@ -3,9 +3,11 @@
 import os
 
 # Parallel workers (pytest-xdist, ``-n``) share one GPU: none of them takes
-# most of its memory up front.
+# most of its memory up front, and each gives back what it frees (a caching
+# allocator would keep every worker's peak).
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
 # The Mosaic GPU interpreter runs a kernel's warpgroups (three at most) as
 # concurrent XLA CPU computations that wait for each other at barriers: XLA's
