@@ -11,11 +11,8 @@ implementation; see :data:`deltajax.registry.CONTRACT`):
   ``W = K`` for KDA's per-channel gate, so that the same broadcasting code
   serves both.
 * ``cut`` (bool, a's shape, or None) marks tokens before which the state is
-  discarded: the start of a packed document (``segment_ids``). A full
-  forget (``a = -inf``, clamped at :data:`LOG_DECAY_FLOOR`) discards it
-  too: scan, chunked and pallas make it a cut with ``a = 0``
-  (:func:`token_step`, :meth:`ChunkGate.of`, the Pallas kernels' per-token
-  cuts).
+  discarded: the start of a packed document (``segment_ids``) and a full
+  forget (``a = -inf``, which ``api`` turns into ``a = 0`` with a cut).
 * ``chunk_seq`` (int32 ``[T / C]``, or None) gives, for inputs packed with
   ``cu_seqlens`` (B = 1), the sequence that owns each chunk; ``api`` lays
   the tokens out so that every sequence starts at a chunk boundary.

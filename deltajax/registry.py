@@ -27,8 +27,7 @@ CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk
 * a ``[B, T, HV, W]`` (``W = 1``: scalar gate; ``W = K``: per channel),
   ``<= 0``, ``-inf`` allowed: each implementation clamps it at
   :data:`common.LOG_DECAY_FLOOR` (:func:`common.floored`; the Pallas kernels
-  in their gate kernel); scan, chunked and pallas make a gate at the floor
-  a cut (a full forget; per token in the Pallas kernels); b ``[B, T, HV]``, or for the "gdn2" gate the pair
+  in their gate kernel, where it costs no pass over a); b ``[B, T, HV]``, or for the "gdn2" gate the pair
   ``(erase [B, T, HV, K], write [B, T, HV, V])``; in the compute dtype
   (float32, float64 for float64 inputs).
 * initial_state ``[N, HV, K, V]`` in the compute dtype; ``N = B`` unless

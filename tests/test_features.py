@@ -118,6 +118,7 @@ BOUNDARIES = {
 }
 # What the Pallas kernels do not (yet) isolate.
 PALLAS_LEAKS = {
+    "a=-inf": "a floored gate is not a cut in the Pallas kernels",
     "segment_ids inside a chunk": "the scan kernel applies T to the state's "
                                   "read: Delta = T diag(b) (V - (K e^g) S)",
 }

@@ -58,9 +58,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     initial_state: ``[N, HV, K, V]`` compute dtype; N = B without chunk_seq.
     cut: None or bool of a's shape, equal across the channels: where True,
       the state carried into the token is replaced by zero before its decay
-      and update (its a is then irrelevant and gets a zero gradient). A
-      token whose a is at :data:`common.LOG_DECAY_FLOOR` in every channel
-      (a full forget) is a cut too (:func:`_full_forgets`).
+      and update (its a is then irrelevant and gets a zero gradient).
     chunk_seq: None or int32 ``[T / chunk_size]`` (then B = 1): the
       non-decreasing sequence index of each chunk. A sequence's first chunk
       starts from ``initial_state[seq]``; its final state is the one leaving
@@ -90,19 +88,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   config = (config or core.KernelConfig()).resolve()
   b, kr, v = _read_keys(b, q, k, v)
   return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
-                 initial_state, _full_forgets(a, cut), chunk_seq, kr)
-
-
-def _full_forgets(a, cut):
-  """``cut`` (None: none) with the tokens whose gate is at the floor in
-  every channel, bool of a's shape: as :meth:`common.ChunkGate.of` does, a
-  full forget becomes a cut with a = 0 (:func:`_gate_inputs`), so that the
-  gates after it in its chunk keep their precision instead of sitting 200
-  below the chunk's start, and the state it discards is selected away. (A
-  per-channel gate at the floor in some channels only stays clamped there:
-  the kernels' cuts are per token.)"""
-  forget = jnp.all(a <= common.LOG_DECAY_FLOOR, axis=-1, keepdims=True)
-  return jnp.broadcast_to(forget if cut is None else cut | forget, a.shape)
+                 initial_state, cut, chunk_seq, kr)
 
 
 def _read_keys(b, q, k, v):
