@@ -11,10 +11,12 @@ of N(0, 1)): forward and forward+backward (a training step: the loss
 implementation, of jla (``jla.ops.linear_attention``) and of fla (``chunk_gated_delta_rule``,
 ``chunk_kda`` or ``chunk_gdn2``), all timed the same way (:func:`median_ms`), the JAX
 backward's temporaries (XLA ``memory_analysis``), and a decoding step timed
-inside a jitted loop of 100 steps. Prints a markdown table with ratios to
-jla and fla, and writes
-``results.md`` and ``time_vs_t.png`` (time against T, log scale) into
-``--out``, after each shape. ``--replot TABLE_MD`` redraws the plot from a saved table.
+inside a jitted loop of 100 steps. Prints markdown tables in
+benchmarks/RESULTS.md's format (one per implementation, a line per shape,
+with ratios to jla and fla), and writes them to ``results.md``, with
+``time_vs_t.png`` (time against T, log scale), into ``--out`` after each
+shape. ``--replot TABLE_MD`` redraws the plot from saved tables (of
+``--gate``).
 An ``--impls`` entry ``"<impl>/<n>"`` times that implementation with T cut
 into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
 ``"mosaic:one"`` and the other names of :data:`MOSAIC_VARIANTS` time
@@ -24,7 +26,9 @@ into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import statistics
 import sys
 import time
@@ -317,38 +321,111 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
   return rows
 
 
-def table(rows) -> str:
-  peers = {p: {r["shape"]: r for r in rows if r["impl"] == p}
-           for p in ("jla", "fla")}
-  lines = ["| B, T, H[, HV], D | impl | fwd ms | fwd+bwd ms | fwd / jla | "
-           "fwd+bwd / jla | fwd / fla | fwd+bwd / fla | o rel. RMS vs chunked "
-           "| bwd temp MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    def ratio(peer, key):
-      f = peers[peer].get(r["shape"])
-      return f"{r[key] / f[key]:.2f}" if f else "-"
-    lines.append(
-        f"| {', '.join(map(str, r['shape']))} | {r['impl']} | {r['fwd']:.3f} "
-        f"| {r['fwd_bwd']:.3f} | {ratio('jla', 'fwd')} | "
-        f"{ratio('jla', 'fwd_bwd')} | {ratio('fla', 'fwd')} | "
-        f"{ratio('fla', 'fwd_bwd')} | {r['err']:.1e} | {r['mem']:.0f} |")
+GATE_NAMES = {"gdn": "Gated DeltaNet", "kda": "KDA", "gdn2": "Gated DeltaNet-2"}
+PEERS = ("jla", "fla")
+TABLE_HEADER = (
+    "| B, T, H[, HV], D | deltajax ms | jla ms | / jla | fla ms | / fla | "
+    "temporaries MiB: deltajax / jla / fla |\n"
+    "|---|---|---|---|---|---|---|")
+
+
+def shape_cell(shape) -> str:
+  """``"4, 4096, 16, 128"``; grouped value heads as ``"2, 4096, 16 / 32, 128"``."""
+  bsz, t, h, *hv, d = shape
+  heads = f"{h} / {hv[0]}" if hv else f"{h}"
+  return f"{bsz}, {t}, {heads}, {d}"
+
+
+def _times(row) -> str:
+  return f"{row['fwd']:.3f} / {row['fwd_bwd']:.3f}" if row else "-"
+
+
+def _ratios(row, peer) -> str:
+  if not (row and peer):
+    return "-"
+  return (f"{row['fwd'] / peer['fwd']:.2f} / "
+          f"{row['fwd_bwd'] / peer['fwd_bwd']:.2f}")
+
+
+def table(rows, gate="gdn", heading="") -> str:
+  """Markdown tables in benchmarks/RESULTS.md's format: one per deltajax
+  implementation in ``rows`` (headed ``### <gate>, `"<impl>"`: <heading>``),
+  one line per shape with ms forward / forward+backward of deltajax, jla and
+  fla, deltajax's time over each peer's, and the backward's temporaries
+  ("-": not timed)."""
+  found = {(r["shape"], r["impl"]): r for r in rows}
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows
+                             if r["impl"] not in PEERS))
+  tables = []
+  for impl in impls:
+    title = f'### {GATE_NAMES[gate]}, `"{impl}"`'
+    lines = [f"{title}: {heading}" if heading else title, "", TABLE_HEADER]
+    for shape in shapes:
+      row = found.get((shape, impl))
+      if row is None:
+        continue
+      jla, fla = (found.get((shape, peer)) for peer in PEERS)
+      memory = " / ".join(f"{r['mem']:.0f}" if r else "-"
+                          for r in (row, jla, fla))
+      lines.append(f"| {shape_cell(shape)} | {_times(row)} | {_times(jla)} | "
+                   f"{_ratios(row, jla)} | {_times(fla)} | "
+                   f"{_ratios(row, fla)} | {memory} |")
+    tables.append("\n".join(lines))
+  return "\n\n".join(tables)
+
+
+def errors_table(rows) -> str:
+  """The outputs' relative RMS difference from the reference's (chunked's,
+  else the first implementation timed at that shape), as :func:`run`
+  computes them."""
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  found = {(r["shape"], r["impl"]): r for r in rows}
+  lines = ["| B, T, H[, HV], D | reference | " + " | ".join(impls) + " |",
+           "|---" * (len(impls) + 2) + "|"]
+  for shape in dict.fromkeys(r["shape"] for r in rows):
+    timed = [i for i in impls if (shape, i) in found]
+    ref = "chunked" if "chunked" in timed else timed[0]
+    cells = [f"{found[shape, i]['err']:.1e}" if i in timed else "-"
+             for i in impls]
+    lines.append(f"| {shape_cell(shape)} | {ref} | " + " | ".join(cells)
+                 + " |")
   return "\n".join(lines)
 
 
-def read_table(path):
-  """Rows back from tables written by :func:`table` (to re-plot saved runs);
-  of rows with the same shape and implementation, the first one counts
-  (RESULTS.md lists the newest run first)."""
-  rows = {}
+def _time_pair(cell):
+  fwd, _, fwd_bwd = cell.partition("/")
+  try:
+    return float(fwd), float(fwd_bwd)
+  except ValueError:
+    return None
+
+
+def read_table(path, gate=None):
+  """Rows ``{shape, impl, fwd, fwd_bwd}`` back from tables written by
+  :func:`table` (to re-plot saved runs), deltajax's implementation named
+  by each table's heading, jla and fla by their columns; only the tables
+  of ``gate`` when given. Of rows with the same shape and implementation,
+  the first one counts."""
+  rows, impl = {}, None
   with open(path) as f:
     for line in f:
+      heading = re.match(r'#+ (.+?), `"(.+?)"`', line)
+      if heading:
+        impl = heading.group(2)
+        if gate is not None and heading.group(1) != GATE_NAMES[gate]:
+          impl = None
+        continue
       cells = [c.strip() for c in line.strip().strip("|").split("|")]
-      if len(cells) in (7, 10) and cells[0][:1].isdigit():
-        shape = tuple(int(x) for x in cells[0].split(","))
-        rows.setdefault((shape, cells[1]), dict(
-            shape=shape, impl=cells[1], fwd=float(cells[2]),
-            fwd_bwd=float(cells[3])))
+      if impl is None or len(cells) != 7 or not cells[0][:1].isdigit():
+        continue
+      shape = tuple(int(x) for x in re.split(r"[,/]", cells[0]))
+      for name, cell in ((impl, cells[1]), ("jla", cells[2]),
+                         ("fla", cells[4])):
+        times = _time_pair(cell)
+        if times:
+          rows.setdefault((shape, name), dict(
+              shape=shape, impl=name, fwd=times[0], fwd_bwd=times[1]))
   return list(rows.values())
 
 
@@ -387,27 +464,37 @@ def main():
                       help="only redraw time_vs_t.png from a saved table")
   args = parser.parse_args()
   if args.replot:
-    plot(read_table(args.replot), os.path.join(args.out, "time_vs_t.png"))
+    plot(read_table(args.replot, args.gate),
+         os.path.join(args.out, "time_vs_t.png"))
     return
   shapes = (tuple(tuple(int(x) for x in s.split(",")) for s in args.shapes)
             if args.shapes else DEFAULT_SHAPES)
   log(f"devices: {jax.devices()}  jax {jax.__version__}")
   os.makedirs(args.out, exist_ok=True)
+  heading = f"{jax.devices()[0].device_kind}, {datetime.date.today()}"
+  method = (f"JAX {jax.__version__}; median of {args.reps} samples of 10 "
+            f"back-to-back calls (benchmark.median_ms)")
 
-  def write(rows, text):
+  def text(rows, decode_us=None):
+    parts = [method, table(rows, args.gate, heading),
+             "Outputs' relative RMS difference from the reference's:\n\n"
+             + errors_table(rows)]
+    if decode_us is not None:
+      parts.append(f"Decoding step (B=4, H=16, D=128, jitted loop of 100 "
+                   f"steps): {decode_us:.1f} us/step")
+    return "\n\n".join(parts)
+
+  def write(rows, content):
     with open(os.path.join(args.out, "results.md"), "w") as f:
-      f.write(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}"
-              f"\n\n{text}\n")
+      f.write(f"{content}\n")
     plot(rows, os.path.join(args.out, "time_vs_t.png"))
 
   rows = run(shapes, args.reps, args.impls,
-             on_shape=lambda rows: write(rows, table(rows)), gate=args.gate,
+             on_shape=lambda rows: write(rows, text(rows)), gate=args.gate,
              peers=args.peers)
-  decode_us = time_decode_step(gate=args.gate)
-  text = (f"gate: {args.gate}\n\n{table(rows)}\n\nDecoding step (B=4, H=16, "
-          f"D=128, jitted loop of 100 steps): {decode_us:.1f} us/step")
-  write(rows, text)
-  print(text)
+  final = text(rows, time_decode_step(gate=args.gate))
+  write(rows, final)
+  print(final)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The README's runnable examples (sections "## API", "## Value checks" and "## Real models: ...") run."""
+"""The documentation's runnable examples run: README.md's "## Example",
+docs/layers.md's "## A layer of your own" and "## Real models: ...", and
+docs/api.md's "## Value checks"."""
 
 import pathlib
 import re
@@ -22,21 +24,28 @@ def _runnable_python_blocks(text: str):
           if re.search(r"^import deltajax(\.\w+)?$", b, re.MULTILINE)]
 
 
-def _run_section(heading: str):
-  """Executes the one runnable block of the section ``heading``."""
+def _run_section(path: str, heading: str):
+  """Executes the one runnable block of the section ``heading`` of the
+  markdown file ``path`` (relative to the repository's root)."""
   blocks = _runnable_python_blocks(
-      _section((ROOT / "README.md").read_text(), heading))
+      _section((ROOT / path).read_text(), heading))
   assert len(blocks) == 1
-  exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme"})  # pylint: disable=exec-used
+  exec(compile(blocks[0], path, "exec"), {"__name__": "readme"})  # pylint: disable=exec-used
+
+
+def test_readme_example_runs(capsys):
+  _run_section("README.md", "## Example")
+  out = capsys.readouterr().out
+  assert "(2, 256, 4, 64) (2, 4, 64, 64) (2, 256, 4, 64) (2, 4, 64)" in out, out
 
 
 def test_api_example_runs(capsys):
-  _run_section("## API")
+  _run_section("docs/layers.md", "## A layer of your own")
   assert "(2, 100, 64)" in capsys.readouterr().out
 
 
 def test_value_checks_example_runs(capsys):
-  _run_section("## Value checks")
+  _run_section("docs/api.md", "## Value checks")
   out = capsys.readouterr().out
   assert "a must be <= 0" in out and "got a[0, 3, 1] = 0.5" in out, out
 
@@ -44,7 +53,8 @@ def test_value_checks_example_runs(capsys):
 def test_real_models_example_runs(capsys):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  _run_section("## Real models: Qwen3-Next, Qwen3.5, Kimi Linear")
+  _run_section("docs/layers.md",
+               "## Real models: Qwen3-Next, Qwen3.5, Kimi Linear")
   out = capsys.readouterr().out
   difference = float(re.search(r"from transformers: (\S+)", out).group(1))
   assert difference < 1e-4, out
