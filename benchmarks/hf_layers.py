@@ -1,6 +1,6 @@
 """Real-model linear-attention layers on the GPU: deltajax.hf against transformers (+ fla).
 
-    python benchmarks/hf_layers.py [--lengths 4096 32768] [--reps 10]
+    python -m benchmarks.hf_layers [--lengths 4096 32768] [--reps 10]
         [--models qwen3_next kimi_linear] [--impl auto] [--no-torch]
 
 A Qwen3-Next-80B-sized Gated DeltaNet layer (hidden 2048, 16 key heads, 32

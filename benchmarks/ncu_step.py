@@ -1,17 +1,22 @@
 """One step of ``deltajax.gated_delta`` (forward+backward, or forward) for a profiler.
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv \\
-        --log-file $OUT/step.csv python benchmarks/ncu_step.py --gate kda
-    python3 ../shared/tools/ncu_kernels.py step.csv
+        --log-file $OUT/step.csv python -m benchmarks.ncu_step --gate kda
+    python -m benchmarks.ncu_step --summarize $OUT/step.csv
 
-Runs the jitted step twice (compilation and autotuning in the first), on
-benchmark.py's inputs; the last launches in the log are one step. ``--impl
-jla`` profiles jla's kernels on the same inputs (its wheel importable).
+Runs the jitted step three times (compilation and autotuning in the
+first), on benchmark.py's inputs. ``--summarize`` reads Nsight Compute's
+CSV and prints each kernel's time in the last step: the log's last launches
+that repeat the ones before them (the last two steps launch the same
+kernels). ``--impl jla`` profiles jla's kernels on the same inputs (where
+jla is importable).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +26,38 @@ from benchmarks.benchmark import load_jla
 from benchmarks.benchmark import make_inputs
 
 
+def last_step(launches):
+  """The last step of ``launches`` (a list of ``(kernel, us)``): the
+  shortest tail that repeats the launches just before it."""
+  names = [name for name, _ in launches]
+  for n in range(1, len(names) // 2 + 1):
+    if names[-n:] == names[-2 * n:-n]:
+      return launches[-n:]
+  raise ValueError("the log holds no two identical steps")
+
+
+def summarize(path):
+  """Prints each kernel's time (us) in the last step of an Nsight Compute
+  CSV log of ``gpu__time_duration.sum``, slowest first, and the total."""
+  with open(path, newline="") as f:
+    rows = [r for r in csv.DictReader(line for line in f
+                                      if not line.startswith("=="))
+            if r.get("Metric Name") == "gpu__time_duration.sum"]
+  scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+  launches = [(r["Kernel Name"], float(r["Metric Value"].replace(",", ""))
+               * scale[r["Metric Unit"]]) for r in rows]
+  times = collections.Counter()
+  for name, us in last_step(launches):
+    times[name] += us
+  for name, us in times.most_common():
+    print(f"{us:9.1f}  {name[:100]}")
+  print(f"{sum(times.values()):9.1f}  total")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--summarize", metavar="CSV", default=None,
+                      help="print the last step's kernel times of a log")
   parser.add_argument("--shape", default="4,4096,16,128")
   parser.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
   parser.add_argument("--impl", default="pallas",
@@ -30,6 +65,9 @@ def main():
   parser.add_argument("--forward", action="store_true",
                       help="the forward alone (no gradients)")
   args = parser.parse_args()
+  if args.summarize:
+    summarize(args.summarize)
+    return
   shape = tuple(int(x) for x in args.shape.split(","))
   q, k, v, a, b, do = make_inputs(shape, gate=args.gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
@@ -46,7 +84,7 @@ def main():
 
   step = jax.jit(loss if args.forward  # o formed, as benchmark.py's step
                  else jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-  for _ in range(2):
+  for _ in range(3):
     jax.block_until_ready(step(q, k, v, a, b))
 
 

@@ -1,6 +1,6 @@
 """Times each Pallas kernel of impl="pallas" on its own, with launch variants.
 
-    python benchmarks/profile_kernels.py [--shape 4,4096,16,128] [--gate kda]
+    python -m benchmarks.profile_kernels [--shape 4,4096,16,128] [--gate kda]
 
 Says where the time of the forward and backward goes and which block size,
 warp count and pipeline depth each kernel runs fastest with. GPU only.
