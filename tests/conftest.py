@@ -9,12 +9,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
-# The Mosaic GPU interpreter runs a kernel's warpgroups (three at most) as
-# concurrent XLA CPU computations that wait for each other at barriers: XLA's
-# CPU runtime needs a thread for each, and one for their caller, whatever the
-# CPUs (the runtime's threads are as many as NPROC says).
-os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
-
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 

@@ -55,6 +55,12 @@ def interpret_params(detect_races=False):
   return InterpretGPUParams(detect_races=detect_races)
 
 
+# The interpreter runs a kernel's warpgroups (three at most) as concurrent
+# XLA CPU computations, which wait for each other at barriers, beside the
+# computation that called them: XLA's CPU runtime needs a thread for each.
+INTERPRETER_THREADS = 4
+
+
 def cpu_threads():
   """The threads of XLA's CPU runtime: ``NPROC`` where it is set, else the
   CPUs this process may run on (as XLA counts them)."""
@@ -62,11 +68,25 @@ def cpu_threads():
   return int(nproc) if nproc.isdigit() else len(os.sched_getaffinity(0))
 
 
+def reserve_interpreter_threads():
+  """Gives XLA's CPU runtime :data:`INTERPRETER_THREADS` threads at least
+  (``NPROC``) on a machine with fewer CPUs, if the runtime has not started
+  yet and ``NPROC`` is not set: deltajax's import does this, so that the
+  interpreter runs on any machine; a runtime started before it keeps its
+  threads (then :func:`_check_interpreter_threads` refuses)."""
+  try:
+    from jax._src import xla_bridge
+    started = xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):  # a JAX without that function
+    return
+  if (not started and "NPROC" not in os.environ
+      and cpu_threads() < INTERPRETER_THREADS):
+    os.environ["NPROC"] = str(INTERPRETER_THREADS)
+
+
 def _check_interpreter_threads(warpgroups):
-  """The interpreter runs a kernel's warpgroups as concurrent XLA CPU
-  computations, which wait for each other at barriers, beside the one that
-  called them: with fewer CPU runtime threads than that, it would wait
-  forever."""
+  """Refuses to interpret a kernel of ``warpgroups`` warpgroups with too few
+  XLA CPU threads (it would wait forever at its first barrier)."""
   needed = warpgroups + 1
   if cpu_threads() < needed:
     raise RuntimeError(
@@ -264,3 +284,6 @@ class Mosaic:
       # run X).
       plgpu.commit_smem()
     return out
+
+
+reserve_interpreter_threads()
