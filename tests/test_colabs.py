@@ -26,6 +26,7 @@ def test_notebook_is_committed_without_outputs(path):
       assert not cell.outputs and cell.execution_count is None, cell.source[:80]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
   """Runs every cell in a fresh python3 kernel; a failing cell fails the test."""

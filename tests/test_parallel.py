@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # one subprocess of 8 CPU devices, minutes
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOLERANCE = 2e-6  # float32: max abs error / max abs of the single-device value
 GATHERS = ("all-gather", "all-to-all")
