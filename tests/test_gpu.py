@@ -107,11 +107,10 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
 
 
 @pytest.mark.parametrize("keys", ["random", "aligned"])
-@pytest.mark.parametrize("method", pallas_ut.INVERSE_METHODS)
-def test_pallas_inverse_methods_match_float64(method, keys):
-  """The Pallas UT inverse by each method (``Launch.method``) on bf16 keys:
-  T against float64 to its bf16 rounding, random keys with a decaying gate
-  and b in (0, 2), and identical keys without decay at b = 1.99."""
+def test_pallas_inverse_matches_float64(keys):
+  """The Pallas UT inverse (impl="mosaic"'s too) on bf16 keys: T against
+  float64 to its bf16 rounding, random keys with a decaying gate and b in
+  (0, 2), and identical keys without decay at b = 1.99."""
   bsz, t, h, dk = 2, 1024, 4, 128
   rng = np.random.default_rng(5)
   k = rng.standard_normal((bsz, 1 if keys == "aligned" else t, h, dk))
@@ -123,11 +122,11 @@ def test_pallas_inverse_methods_match_float64(method, keys):
   else:
     g = np.cumsum(-rng.uniform(0, 0.1, (bsz, h, t // 64, 64)), -1)
     g, b = g.reshape(bsz, h, t), rng.uniform(0, 2, (bsz, h, t))
-  config = pallas.KernelConfig(interpret=False)
+  config = pallas.Config(interpret=False)
   got = pallas_ut.inverse(
       k=jnp.asarray(k, jnp.bfloat16), g=jnp.asarray(g, jnp.float32),
       b=jnp.asarray(b, jnp.float32), cuts=None, a=None, heads=h,
-      chunk_size=64, launch=pallas.Launch(num_warps=4, method=method),
+      chunk_size=64, launch=config.launch("inverse", per_channel=False),
       interpret=False, dot=config.dot)
   chunks = lambda x: x.reshape(*x.shape[:-1], t // 64, 64)
   kc = np.moveaxis(k.reshape(bsz, t // 64, 64, h, dk), 3, 1)
@@ -137,7 +136,7 @@ def test_pallas_inverse_methods_match_float64(method, keys):
   want = np.linalg.inv(np.eye(64) + bc[..., None] * a)
   got = np.asarray(got, np.float64).reshape(want.shape)
   err = np.max(np.abs(got - want)) / np.max(np.abs(want))
-  print(f"inverse {method} {keys}: max error {err:.1e} of T's largest entry")
+  print(f"inverse {keys}: max error {err:.1e} of T's largest entry")
   assert err < 2 ** -8, err
 
 
@@ -275,7 +274,7 @@ def _scores_first_pass_errors(dk, interpret=False):
                           nonnegative_qk=True, gate_scale=1 / 8)
   q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
   a = jnp.asarray(x.a, jnp.float32)
-  config = pallas.core.KernelConfig(interpret=interpret).resolve()
+  config = pallas.core.Config(interpret=interpret).resolve()
   shared = dict(q=q, k=k, a=a, cuts=None, heads=2, scale=0.3,
                 chunk_size=mosaic.CHUNK, interpret=config.interpret,
                 dot=config.dot, from_start=(q, k), to_end=(k,),

@@ -356,7 +356,7 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
                 *(x[n] for n in ("k", "v", "g", "b", "t")), values=False)[:1]
   with jax.enable_x64(True):
     wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
-    config = pallas.core.KernelConfig(interpret=True)
+    config = pallas.core.Config(interpret=True)
     launch = lambda name: config.launch(name, per_channel=True)
     shared = dict(cuts=None, chunk_size=ut.C, interpret=True,
                   dot=config.dot)
@@ -550,7 +550,7 @@ def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk, dv,
   chunk that is not gentle."""
   x = _intra_inputs(dk + value_heads, heads, value_heads, dk, dv,
                     dtype=dtype, gate_scale=gate_scale)
-  config = pallas.core.KernelConfig(interpret=True)
+  config = pallas.core.Config(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra", per_channel=True), scale=0.3,
                 heads=value_heads, from_start=(x["q"], x["k"]),
@@ -662,7 +662,7 @@ def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
   is not gentle; impl="mosaic"'s adapter refuses read keys."""
   x = _intra_inputs(dk + dv + value_heads, heads, value_heads, dk, dv,
                     dtype=dtype, gate_scale=gate_scale)
-  config = pallas.core.KernelConfig(interpret=True)
+  config = pallas.core.Config(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra_backward", per_channel=True),
                 scale=0.3, dkr=None)

@@ -443,7 +443,7 @@ def _inverse(mg, kind, k, g, beta, heads):
   :data:`INVERSES`."""
   if kind == "mosaic":
     return ut.inverse(mg, k, g, beta, heads=heads)
-  config = pallas_core.KernelConfig().resolve()
+  config = pallas_core.Config().resolve()
   return pallas_ut.inverse(
       k=k, g=g, b=beta, cuts=None, a=None, heads=heads, chunk_size=CHUNK,
       launch=config.launch("inverse", per_channel=False),
@@ -462,7 +462,7 @@ def _per_channel_inputs(mg, scale, q, k, a, b, *, scores, keep_g):
     first_pass = lambda q, k, a: intra.forward(mg, q, k, a, heads=a.shape[2],
                                                scale=scale)
   g_end, beta, _, (qg, kg, kd), t, p, g = pallas_ops.before_scan(
-      scale, CHUNK, pallas_core.KernelConfig().resolve(), q, k, None, a, b,
+      scale, CHUNK, pallas_core.Config().resolve(), q, k, None, a, b,
       None, heads=a.shape[2], dtype=jnp.float32, first_pass=first_pass,
       keep_g=keep_g)
   return qg, kg, g_end, beta, t, (kd, p), g
@@ -597,7 +597,7 @@ def _bwd(scale, plan, backward, residuals, cotangents):
   options = _kernel_options(plan[0], names, narrow_dk, fused_reverse,
                             fused_grads)
   options["reverse"]["maps"] = maps
-  config = pallas_core.KernelConfig().resolve()
+  config = pallas_core.Config().resolve()
   kernels = {_BACKWARD_KERNELS[name].keyword:
              _in_mosaic(name, **options[name]) for name in names}
   dq, dk, dv, da, db, d_initial = pallas_ops.backward(

@@ -67,7 +67,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       its last chunk (a sequence without chunks keeps its initial state).
     scale: Python float multiplying q.
     chunk_size: C, a power of two >= 16 dividing T.
-    config: :class:`core.KernelConfig` (None: the defaults).
+    config: :class:`core.Config` (None: the defaults).
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in the
@@ -87,7 +87,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     raise ValueError(f"chunk_seq needs B = 1 and shape [T / C] = "
                      f"{(t_len // chunk_size,)}; got B = {bsz}, "
                      f"{tuple(chunk_seq.shape)}")
-  config = (config or core.KernelConfig()).resolve()
+  config = (config or core.Config()).resolve()
   b, kr, v = _read_keys(b, q, k, v)
   return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
                  initial_state, _full_forgets(a, cut), chunk_seq, kr)
