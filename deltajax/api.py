@@ -437,7 +437,8 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
     chunk_size: tokens per chunk, 16, 32 or 64.
     config: None (every implementation's defaults), or the tuning config
       of the implementation that is to run it: ``deltajax.pallas.Config``
-      (launch knobs) for "pallas" (the others take none). A config picks its
+      (launch knobs) for "pallas", ``deltajax.mosaic.Config`` for
+      "mosaic" ("scan" and "chunked" take none). A config picks its
       implementation: with ``impl="auto"`` that implementation runs the
       call (a ``ValueError`` if it cannot); with a named ``impl`` it must
       be that implementation's (else a ``TypeError``). Frozen dataclasses,

@@ -152,7 +152,7 @@ REGISTRY = {
         "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
-        max_head_dim=mosaic.MAX_HEAD_DIM),
+        max_head_dim=mosaic.MAX_HEAD_DIM, config=mosaic.Config),
 }
 
 # The kernels "auto" considers, fastest first.

@@ -422,6 +422,12 @@ def test_value_checks_are_off_outside_value_checks(name):
 # Each backend's config validates its fields when built: (constructor,
 # keyword arguments, the field the ValueError names).
 BAD_CONFIGS = {
+    "mosaic pieces 0": (lambda: deltajax.mosaic.Config(pieces=0),
+                        r"Config\.pieces must be None or a positive int"),
+    "mosaic pieces float": (lambda: deltajax.mosaic.Config(pieces=2.0),
+                            r"Config\.pieces"),
+    "mosaic pieces bool": (lambda: deltajax.mosaic.Config(pieces=True),
+                           r"Config\.pieces"),
     "pallas precision": (lambda: deltajax.pallas.Config(precision="tf16"),
                          r"Config\.precision must be one of"),
     "pallas interpret": (lambda: deltajax.pallas.Config(interpret="yes"),
@@ -448,19 +454,26 @@ def test_configs_validate_their_fields(name):
 
 def test_configs_are_frozen_and_hashable():
   """Static under ``jit``: equal configs hash alike; fields cannot be set."""
-  config = deltajax.pallas.Config(inverse=deltajax.pallas.Launch(num_warps=2))
-  assert hash(config) == hash(type(config)(**vars(config)))
-  with pytest.raises(AttributeError):
-    config.interpret = True
+  for config in (deltajax.mosaic.Config(pieces=2), deltajax.pallas.Config(
+      inverse=deltajax.pallas.Launch(num_warps=2))):
+    assert hash(config) == hash(type(config)(**vars(config)))
+    with pytest.raises(AttributeError):
+      config.interpret = True
+  assert deltajax.mosaic.Config(pieces=np.int64(4)).pieces == 4
 
 
 @pytest.mark.parametrize("impl,config,message", [
+    ("pallas", deltajax.mosaic.Config(),
+     r"config=Config\(pieces=None\) is impl='mosaic''s; impl='pallas' takes "
+     r"deltajax\.pallas\.core\.Config"),
     ("mosaic", deltajax.pallas.Config(), r"is impl='pallas''s; "
-     r"impl='mosaic' takes no config"),
+     r"impl='mosaic' takes deltajax\.mosaic\.ops\.Config"),
     ("chunked", deltajax.pallas.Config(), r"impl='chunked' takes no config"),
     ("auto", {"pieces": 2}, r"config must be None or one of "
-     r"deltajax\.pallas\.core\.Config \(impl='pallas'\)"),
-], ids=("pallas-to-mosaic", "pallas-to-chunked", "not-a-config"))
+     r"deltajax\.pallas\.core\.Config \(impl='pallas'\), "
+     r"deltajax\.mosaic\.ops\.Config \(impl='mosaic'\)"),
+], ids=("mosaic-to-pallas", "pallas-to-mosaic", "pallas-to-chunked",
+        "not-a-config"))
 def test_config_of_another_implementation_is_refused(impl, config, message):
   for rule, args in ((deltajax.gated_delta, _args()),
                      (deltajax.kda, _args(a=_zeros(B, T, H, K)))):
@@ -494,3 +507,27 @@ def test_pallas_config_reaches_its_kernels(impl, monkeypatch):
                                v=_zeros(1, 32, 1, 40), a=_zeros(1, 32, 1),
                                b=_zeros(1, 32, 1)), impl=impl, config=config)
   assert seen == [config]
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
+def test_mosaic_config_picks_mosaic_under_auto(rule, monkeypatch):
+  """``config=deltajax.mosaic.Config(...)`` with impl="auto" runs
+  impl="mosaic" (with that config), and refuses a call that impl="mosaic"
+  cannot run (float32 q, k, v; Gated DeltaNet-2) with a ValueError that
+  names the config, rather than picking another implementation."""
+  config = deltajax.mosaic.Config(pieces=2)
+  seen = _spy(monkeypatch, "mosaic")
+  bf16 = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  gate = (1, 128, 2) if rule == "gated_delta" else (1, 128, 2, 32)
+  getattr(deltajax, rule)(bf16(1, 128, 2, 32), bf16(1, 128, 2, 32),
+                          bf16(1, 128, 2, 48), _zeros(*gate),
+                          _zeros(1, 128, 2), config=config)
+  assert seen == [config]
+  with pytest.raises(ValueError, match=r"config=Config\(pieces=2\) is "
+                     r"impl='mosaic''s, which cannot run this call: its "
+                     r"products are 16-bit"):
+    deltajax.gated_delta(**_args(), config=config)
+  with pytest.raises(ValueError, match=r"impl='mosaic''s, which cannot run "
+                     r"this call: it has no 'gdn2' gate"):
+    deltajax.gdn2(**_args(a=_zeros(B, T, H, K), b=_zeros(B, T, H, K)),
+                  w=_zeros(B, T, H, V), config=config)

@@ -23,7 +23,7 @@ it runs the warpgroups and insists that every barrier phase be observed)
 and their arithmetic, not the register layouts or the wgmma operand forms.
 Those are checked by lowering the kernels for CUDA on the CPU
 (tests/test_mosaic.py: Mosaic GPU's layout inference and wgmma checks) and
-compiled only on the GPU (benchmarks/mosaic_check.py).
+compiled only on the GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
