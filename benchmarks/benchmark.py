@@ -187,7 +187,7 @@ def load_fla(gate):
   if not torch.cuda.is_available():
     return None
   # fla refuses its GDN backward on Hopper with Triton < 3.7.1 (its #640);
-  # timing only, its dg/db are not trusted (ANCHORS.md).
+  # timing only, its dg/db are not trusted.
   fla_chunk_o.TRITON_ABOVE_3_7_1 = True
   return torch, chunk_gated_delta_rule
 

@@ -7,8 +7,7 @@ Each kernel's HBM traffic is counted from its inputs and outputs (each read
 or written once), its FLOPs from its products (2 M N K each), per chunk of
 64 tokens, for the per-head gate without grouped value heads; ``--us``
 gives measured times (Nsight Compute) in the kernels' order (inverse, scan,
-reverse pass, chunk_backward), for the achieved rates. RESULTS.md, run V,
-has the table of the kernels before run AB at (4, 4096, 16, 128).
+reverse pass, chunk_backward), for the achieved rates.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ C = 64
 
 def kernels(bsz, t_len, heads, d):
   """``{name: (bytes read, bytes written, FLOPs)}`` of the kernels of one
-  default step (since RESULTS run AB: the forward saves the chunks' states
-  but no Delta; the reverse pass forms W and dDelta_local itself and writes
-  the states' cotangents only; ``chunk_backward`` forms every
-  chunk-parallel gradient), K = V = d, 16-bit q/k/v, T and the saved
+  default step (the forward saves the chunks' states but no Delta; the
+  reverse pass forms W and dDelta_local itself and writes the states'
+  cotangents only; ``chunk_backward`` forms every chunk-parallel
+  gradient), K = V = d, 16-bit q/k/v, T and the saved
   states in 16 bits."""
   chunks = bsz * heads * t_len // C
   tok = bsz * t_len * heads * d * 2      # [B, T, H, d], 16-bit

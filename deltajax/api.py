@@ -151,9 +151,8 @@ def value_checks(enabled: bool = True):
   ``a <= 0``, b in range, a traced ``cu_seqlens`` well formed); run the
   function under ``checkify.checkify(..., errors=checkify.user_checks)`` to
   get their error. Off by default: a check is a JAX effect, and a jitted
-  function with an effect leaves JAX's fast dispatch path (0.21 against 0.06
-  ms of host time per call of a Gated DeltaNet forward on the H200,
-  benchmarks/RESULTS.md, run I). ``jit`` caches traces: jit the function
+  function with an effect leaves JAX's fast dispatch path (more host time
+  per call: benchmarks/RESULTS.md). ``jit`` caches traces: jit the function
   afresh inside the block (or one not yet called).
   """
   token = _VALUE_CHECKS.set(enabled)

@@ -146,8 +146,7 @@ REGISTRY = {
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
         auto_gates=("head", "channel", "gdn2"), config=pallas.Config),
     # Hopper only; faster than "pallas" on the H200, forward and
-    # forward+backward, at every shape timed (benchmarks/RESULTS.md, runs L
-    # and N: the per-head gate at six shapes, the per-channel one at four).
+    # forward+backward, at every shape timed (benchmarks/RESULTS.md).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,

@@ -15,15 +15,14 @@ transform)::
        - dy)), 0 where a is below the floor
 
 through one reference gate per channel, the midpoint ``r`` of the chunk's
-range (the seed's secondary chunking): on a chunk whose gate falls by at most
+range (a secondary chunking): on a chunk whose gate falls by at most
 :data:`deltajax.pallas.intra.SPAN` (every channel) each factor is at most
 ``e^{SPAN / 2}``, which the operands' dtype :data:`OPERANDS` (bfloat16
 whatever q's dtype) holds with float32's exponent range. This kernel runs
 on every chunk; the Pallas pass by blocks (``intra.backward(...,
 done=...)``) then rewrites the chunks whose gate falls further, where
-these factors may overflow float32. On the H200 it took
-the step's scores' backward from 869 to 429 us at (4, 4096, 16, 128)
-(RESULTS run W).
+these factors may overflow float32 (faster than the Pallas whole-chunk
+pass on the H200: benchmarks/RESULTS.md).
 
 One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
 brings q, k (head ``j // G``), the gate's tile and its first and last rows,
@@ -35,9 +34,8 @@ rounded to them, as the Pallas kernel rounds them to TF32) and float32
 accumulation; the reverse cumulative sum is one product with an upper
 triangle of ones (in dM's tile), of dg's two bfloat16 halves. dq and dk
 are staged in q's and k's tiles, once read: 111 KB of shared memory, two
-CTAs per multiprocessor (127 KB, one,
-with grouped value heads' float32 dq and dk; 184 KB, one, with every tile
-its own, run W).
+CTAs per multiprocessor (127 KB, one, with grouped value heads' float32
+dq and dk).
 """
 
 from __future__ import annotations
@@ -179,8 +177,8 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
     # with the upper triangle of ones (in dM's tile, read), of dg's two
     # 16-bit halves (in the decayed operands' tiles, read). The triangle as
-    # a 16-bit register operand gave non-finite da on the H200 (run Y;
-    # from shared memory, finite and repeatable, run Z).
+    # a 16-bit register operand gave non-finite da on the H200 (from shared
+    # memory, finite and repeatable).
     qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
     dm_s[...] = jnp.where(cols >= rows, 1.0, 0.0).astype(dm_s.dtype)
     plgpu.commit_smem()

@@ -2,7 +2,8 @@
 
 The contract of :func:`deltajax.pallas.output.output_backward` (a scalar
 gate). For ``O = (scale e^g Q) S + P Delta`` with ``P = scale Gamma * Q K^T``
-(``j <= i``; GDN seed, section 3.3) and one chunk's entry state ``S``::
+(``j <= i``; Gated DeltaNet's chunkwise form) and one chunk's entry
+state ``S``::
 
   dDelta_local = P^T dO
   dP~          = scale Gamma * (dO Delta^T)      (the scores' cotangent)

@@ -4,8 +4,8 @@ The transpose of :mod:`scan`'s state update, and the contract of
 :func:`deltajax.pallas.state.backward_scan`. One CTA (one warpgroup) per
 (batch, value head, block of BV = 64 value columns) walks the chunks from
 the last, with the cotangent ``dS [K, BV]`` of the chunk's exit state in
-float32 registers (a wgmma accumulator). Per chunk (GDN seed, section 3.3;
-``g`` the chunk-local cumulative gate)::
+float32 registers (a wgmma accumulator). Per chunk (Gated DeltaNet's
+chunkwise form; ``g`` the chunk-local cumulative gate)::
 
   dDelta = dDelta_local + e^{g_C - g} * (K dS)
   dS    <- e^{g_C} dS + Q^T (scale e^g * dO) - W^T dDelta

@@ -2,8 +2,9 @@
 
 One CTA per (batch, value head, block of BV = 64 value columns) walks the
 chunks in order with the state ``S [K, BV]`` in float32 registers (a wgmma
-accumulator). Per chunk (GDN seed, section 3.3, the UT form, with ``g`` the
-chunk-local cumulative gate)::
+accumulator). Per chunk (the UT form of Gated DeltaNet's chunkwise
+algorithm: Yang, Kautz & Hatamizadeh, ICLR 2025; ``g`` the chunk-local
+cumulative gate)::
 
   Delta = T diag(b) (V - (K e^g) S)              (= U - W S)
   O     = scale e^g * (Q S) + (scale Gamma * Q K^T) Delta
@@ -15,10 +16,9 @@ copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
 Delta's 16-bit copy, the one the state update takes (rounding P too cost
 1e-2 of o's relative error at b near 2 with aligned keys,
 tests/test_mosaic.py). A per-channel gate's ``P Delta`` takes Delta's rest
-as a third pass (two passes cost 7.6e-3 of o's error against 4.2e-3 at
-(1024, 128) with strong gates on the H200, RESULTS run Z). Every exponent
-is ``<= 0`` (``g`` falls within the chunk; above the diagonal the difference
-is masked to ``-inf`` before ``exp``, seed section 4.1).
+as a third pass (two passes nearly doubled o's error with strong gates).
+Every exponent is ``<= 0`` (``g`` falls within the chunk; above the
+diagonal the difference is masked to ``-inf`` before ``exp``).
 
 Two schedules of the same steps (:data:`SCHEDULES`):
 
@@ -33,7 +33,7 @@ Two schedules of the same steps (:data:`SCHEDULES`):
   ``save``, as it carries them, transposed), WG1
   forms the scores and the output from them, two chunks behind WG0 at
   most. (One warpgroup carrying ``S^T`` alone was no faster than ``"one"``
-  on the H200, RESULTS run N.)
+  on the H200.)
 
 A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
 kernels' decayed operands and scores (``channel`` of :func:`forward`), as
@@ -327,11 +327,9 @@ class _Chunk(NamedTuple):
 
   def publish(self, s_t, delta_t):
     """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d_hi`` from WG0's
-    ``S^T`` and ``Delta^T`` (16-bit): as they are
-    where ``carried`` (165.3 and 175.4 against 167.3 and 177.4 us for the
-    scan at (4, 4096, 16, 128) on the H200, twice in one call, RESULTS run
-    Z), else transposed (the layout that ``save`` copies to HBM); commits
-    every shared memory store so far."""
+    ``S^T`` and ``Delta^T`` (16-bit): as they are where ``carried`` (WG1
+    reads them transposed), else transposed (the layout that ``save``
+    copies to HBM); commits every shared memory store so far."""
     for ref, x in ((self.sh.s, s_t), (self.sh.d_hi, delta_t)):
       if self.carried:
         ref[...] = x

@@ -280,10 +280,9 @@ class Dot:
   def split(self, dtype):
     """Like :meth:`of_float32`, but for 16-bit inputs three bf16 passes:
     each float32 operand split into its bf16 rounding and the bf16 rounding
-    of the rest (16 mantissa bits), the product of the rests dropped. On
-    the H200 this took the output kernel from 0.24 to 0.20 ms where one
-    TF32 pass of the same ``[C, C] x [C, V]`` product spilled
-    (benchmarks/RESULTS.md, run H)."""
+    of the rest (16 mantissa bits), the product of the rests dropped: for
+    the output kernel, where one TF32 pass of the same ``[C, C] x [C, V]``
+    product spilled registers (faster on the H200: benchmarks/RESULTS.md)."""
     if jnp.dtype(dtype).itemsize >= 4 or self.interpret:
       return self.of_float32(dtype)
 
@@ -350,9 +349,8 @@ def reverse_cumsum(x, dot: Dot):
 
   On the GPU a float32 ``x`` goes through the bf16 tensor cores in three
   passes: x split into three bf16 pieces of 8 mantissa bits each (24 in
-  all), the ones exact, float32 accumulation. On the H200 this took
-  intra.backward from 0.975 to 0.910 ms against one exact (CUDA-core) product
-  (benchmarks/RESULTS.md, run I)."""
+  all), the ones exact, float32 accumulation (faster on the H200 than one
+  exact CUDA-core product: benchmarks/RESULTS.md)."""
   c = x.shape[0]
   rows, cols = iota((c, c), 0), iota((c, c), 1)
   if x.ndim == 1:
@@ -438,8 +436,8 @@ def gate_spec(g, rows: int, index_map):
 # cumulative count of cuts (a cut discards the state carried into its token),
 # both chunk-local; c is None when there are no cuts, and then these are the
 # plain exponentials (no extra work). A decay spanning a cut is 0: the mask is
-# applied to the exponent, before exp (GDN seed 4.1: above the diagonal the
-# difference is positive and can overflow).
+# applied to the exponent, before exp (above the diagonal the difference is
+# positive and can overflow).
 
 
 def masked_exp(x, mask):

@@ -21,8 +21,8 @@ into the scores' shares of dq, dk, db and of the gate, adds the other
 kernels' shares, and sums the gate's cotangent into ``da`` (reverse
 cumulative sum within the chunk), written in a's layout.
 
-Every score is a product through a reference gate ``r`` (the seed's
-secondary chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
+Every score is a product through a reference gate ``r`` (a secondary
+chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
 (y_j e^{r - g_j})``. For the 16 rows of block I (forward, and the row side
 of the backward), ``r`` is the gate in the middle of block I where the gate
 falls by at most :data:`SPAN` over the block (every channel): one ``[16, K]
@@ -442,7 +442,7 @@ def _backward_whole_chunk(refs, *, scale, dot):
   r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
   # In this order, with dq stored first, fewer [C, k] float32 values are
-  # live at once (registers): 0.91 -> 0.86 ms on the H200 (RESULTS.md, run I).
+  # live at once (registers).
   k_down = refs["k"][...].astype(acc) * down
   d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2,
                                 dot)

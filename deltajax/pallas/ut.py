@@ -1,6 +1,7 @@
 """UT transform kernels: per chunk, ``T = (I + A)^-1``, then ``W`` and ``U``.
 
-``A = diag(b) (Gamma * K K^T)`` (GDN seed, section 2.3) is strictly lower, so
+``A = diag(b) (Gamma * K K^T)`` (the UT transform of Gated DeltaNet's
+chunkwise form: Yang, Kautz & Hatamizadeh, ICLR 2025) is strictly lower, so
 ``I + A`` is unit lower triangular: never singular, no pivoting. It is
 inverted by blocks of 16: the diagonal blocks by forward substitution, the
 blocks below by block forward substitution,
@@ -86,9 +87,9 @@ def block_product(dtype, dot: core.Dot):
   exact for float32 keys, else in the config's precision (three TF32 passes
   by default). The sums below the diagonal cancel with aligned keys: at b =
   1.99 with identical keys T erred by 5 % of its largest entry with one
-  TF32 pass on the H200 (benchmarks/RESULTS.md, run AB), and by 3.1e-3
-  with three bf16 passes (:meth:`core.Dot.split`, emulated on the CPU),
-  against 2.0e-3 with three TF32 passes and the tests' bound of 2^-8."""
+  TF32 pass on the H200, and by 3.1e-3 with three bf16 passes
+  (:meth:`core.Dot.split`, emulated on the CPU), against 2.0e-3 with three
+  TF32 passes and the tests' bound of 2^-8."""
   return functools.partial(
       dot, precision="ieee" if jnp.dtype(dtype) == jnp.float32 else None)
 
