@@ -1,7 +1,7 @@
 """Times every deltajax implementation, and jla and fla when importable, on the same inputs.
 
     python benchmarks/benchmark.py [--gate gdn|kda|gdn2] [--shapes 4,4096,16,128 2,4096,16,32,128 ...]
-        [--reps 20] [--impls scan chunked pallas mosaic mosaic:one mosaic/8] [--out DIR]
+        [--reps 20] [--impls scan chunked pallas mosaic mosaic:pieces=4 mosaic/8] [--out DIR]
 
 For each shape (B, T, H, D), or (B, T, H, HV, D) with grouped value heads, bf16 q/k/v (L2-normalised k), float32 gates
 (``a = -softplus(N(0, 1)) / 8``, per head for GDN, per key channel for
@@ -19,8 +19,10 @@ shape. ``--replot TABLE_MD`` redraws the plot from saved tables (of
 ``--gate``).
 An ``--impls`` entry ``"<impl>/<n>"`` times that implementation with T cut
 into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
-``"mosaic:one"`` and the other names of :data:`MOSAIC_VARIANTS` time
-``impl="mosaic"`` with options that are not its defaults.
+``"mosaic:pieces=<n>"`` times ``impl="mosaic"`` with
+``config=deltajax.mosaic.Config(pieces=n)`` (its scan and reverse pass in n
+pieces of each sequence; T / 64 a multiple of n) in place of the automatic
+choice.
 """
 
 from __future__ import annotations
@@ -120,45 +122,27 @@ def time_jax(attention, inputs, reps):
           memory.temp_size_in_bytes / 2 ** 20)
 
 
-# Options of mosaic.gated_delta_mosaic by name (T a
-# multiple of 64, K, V <= 128): the defaults' alternatives, timed side by side.
-MOSAIC_VARIANTS = {
-    "mosaic:inv=mosaic": dict(inverse="mosaic"),
-    "mosaic:scores=mosaic": dict(scores="mosaic"),
-    "mosaic:recompute_gates": dict(keep_gates=False),
-    "mosaic:bwd=pallas": dict(backward=()),
-    "mosaic:bwd=all": dict(backward=mosaic.BACKWARD),
-    "mosaic:bwd=pallas_intra": dict(backward=tuple(
-        n for n in mosaic.BACKWARD if n != "intra")),
-    **{f"mosaic:bwd={name}": dict(backward=(name,))
-       for name in mosaic.BACKWARD},
-    "mosaic:wide": dict(narrow_dk=False),
-    "mosaic:one": dict(schedule="one"),
-    "mosaic:unfused": dict(fused_reverse=False),
-    "mosaic:grads=split": dict(fused_grads=False),
-    **{f"mosaic:pieces={n}": dict(pieces=n) for n in (1, 2, 4, 8, 16)},
-}
+MOSAIC_PIECES = "mosaic:pieces="  # an --impls entry's prefix
 
 
-def mosaic_variant(name, q, k, v, a, b, initial_state):
-  """``(o, final state)`` of :data:`MOSAIC_VARIANTS`'s ``name`` (``a``:
-  ``[B, T, HV]`` per head, ``[B, T, HV, K]`` per channel)."""
-  return mosaic.gated_delta_mosaic(
-      q, k, v, a if a.ndim == 4 else a[..., None], b, initial_state, None,
-      None, scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK,
-      **MOSAIC_VARIANTS[name])
+def mosaic_config(impl):
+  """The :class:`deltajax.mosaic.Config` of an ``--impls`` entry
+  ``"mosaic:pieces=<n>"``."""
+  if not impl.startswith(MOSAIC_PIECES):
+    raise ValueError(f"{impl!r}: the impls with a config are "
+                     f"'{MOSAIC_PIECES}<n>'")
+  return mosaic.Config(pieces=int(impl[len(MOSAIC_PIECES):]))
 
 
 def deltajax_attention(impl, gate="gdn"):
   """``(q, k, v, a, b) -> o`` of deltajax's ``impl``: a name of the
-  registry, of :data:`MOSAIC_VARIANTS`, or
+  registry, ``"mosaic:pieces=<n>"`` (:func:`mosaic_config`), or
   ``"<impl>/<n>"``, that implementation with T cut into n pieces run side
   by side (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
-  if impl in MOSAIC_VARIANTS:
-    def attention(q, k, v, a, b):
-      s0 = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]))
-      return mosaic_variant(impl, q, k, v, a, b, s0)[0]
-    return attention
+  if ":" in impl:
+    config = mosaic_config(impl)
+    return lambda q, k, v, a, b: deltajax.gated_delta(
+        q, k, v, a, b, impl="mosaic", config=config)
   impl, _, pieces = impl.partition("/")
   if pieces:
     def attention(q, k, v, a, b):
@@ -207,7 +191,7 @@ def load_fla(gate):
   if not torch.cuda.is_available():
     return None
   # fla refuses its GDN backward on Hopper with Triton < 3.7.1 (its #640);
-  # timing only, its dg/db are not trusted (ANCHORS.md).
+  # timing only, its dg/db are not trusted.
   fla_chunk_o.TRITON_ABOVE_3_7_1 = True
   return torch, chunk_gated_delta_rule
 
@@ -282,8 +266,8 @@ def implementations_for(shape, only=None, gate="gdn"):
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
-  # e.g. "mosaic/8", "mosaic:one"
-  named = [i for i in only or () if "/" in i or i in MOSAIC_VARIANTS]
+  # e.g. "mosaic/8", "mosaic:pieces=4"
+  named = [i for i in only or () if "/" in i or ":" in i]
   return [i for i in impls if only is None or i in only] + named
 
 

@@ -22,10 +22,10 @@ C = 64
 
 def kernels(bsz, t_len, heads, d):
   """``{name: (bytes read, bytes written, FLOPs)}`` of the kernels of one
-  default step (the forward saves the chunks' states
-  but no Delta; the reverse pass forms W and dDelta_local itself and writes
-  the states' cotangents only; ``chunk_backward`` forms every
-  chunk-parallel gradient), K = V = d, 16-bit q/k/v, T and the saved
+  default step (the forward saves the chunks' states but no Delta; the
+  reverse pass forms W and dDelta_local itself and writes the states'
+  cotangents only; ``chunk_backward`` forms every chunk-parallel
+  gradient), K = V = d, 16-bit q/k/v, T and the saved
   states in 16 bits."""
   chunks = bsz * heads * t_len // C
   tok = bsz * t_len * heads * d * 2      # [B, T, H, d], 16-bit

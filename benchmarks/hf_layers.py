@@ -120,7 +120,7 @@ def main():
   import torch
   import transformers
   try:  # fla's GDN backward refuses Hopper with Triton < 3.7.1 (its #640);
-    import fla.ops.common.chunk_o  # timing only (ANCHORS.md)
+    import fla.ops.common.chunk_o  # timing only
     fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True
   except ImportError:
     pass

@@ -18,9 +18,7 @@ from benchmarks.benchmark import make_inputs, median_ms
 from deltajax.pallas import core, intra, ops, output, state, ut
 
 VARIANTS = {
-    "inverse": [core.Launch(num_warps=w, num_stages=1, method=m)
-                for m, w in (("blocks", 1), ("doubling", 4), ("blocks", 2),
-                             ("doubling", 8))],
+    "inverse": [core.Launch(num_warps=w, num_stages=1) for w in (1, 2, 4)],
     "intra": [core.Launch(num_warps=w, num_stages=1, block_k=bk)
               for w, bk in ((4, 64), (4, 128), (4, 32), (2, 64), (8, 128))],
     "forward_scan": [core.Launch(block_v=bv, num_warps=w, num_stages=s)
@@ -48,7 +46,7 @@ VARIANTS = {
 
 def stage_inputs(shape, gate="gdn", c=64):
   """Each kernel of ``gate`` as ``(fn(launch=..., **arrays), arrays)``, its
-  inputs computed once with the default launches (core.KernelConfig)."""
+  inputs computed once with the default launches (core.Config)."""
   channel = gate == "kda"
   q, k, v, a, b, do = make_inputs(shape, gate=gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
@@ -58,7 +56,7 @@ def stage_inputs(shape, gate="gdn", c=64):
                                   to_end=(k,))
   qg, kg, kd = decayed or (None, None, None)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
-  config = core.KernelConfig(interpret=False)
+  config = core.Config(interpret=False)
   fixed = lambda fn, **kw: functools.partial(
       fn, chunk_size=c, interpret=False, dot=config.dot, **kw)
   calls = {
@@ -131,7 +129,7 @@ def main():
   shape = tuple(int(x) for x in args.shape.split(","))
   calls = stage_inputs(shape, args.gate)
   if args.once:
-    config = core.KernelConfig(interpret=False)
+    config = core.Config(interpret=False)
     for name, (fn, arrays) in calls.items():
       jax.block_until_ready(jax.jit(functools.partial(
           fn, launch=config.launch(name, args.gate == "kda")))(**arrays))

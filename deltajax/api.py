@@ -151,9 +151,8 @@ def value_checks(enabled: bool = True):
   ``a <= 0``, b in range, a traced ``cu_seqlens`` well formed); run the
   function under ``checkify.checkify(..., errors=checkify.user_checks)`` to
   get their error. Off by default: a check is a JAX effect, and a jitted
-  function with an effect leaves JAX's fast dispatch path (0.21 against 0.06
-  ms of host time per call of a Gated DeltaNet forward on the H200,
-  benchmarks/RESULTS.md, run I). ``jit`` caches traces: jit the function
+  function with an effect leaves JAX's fast dispatch path (more host time
+  per call: benchmarks/RESULTS.md). ``jit`` caches traces: jit the function
   afresh inside the block (or one not yet called).
   """
   token = _VALUE_CHECKS.set(enabled)
@@ -332,13 +331,14 @@ def _to_layout(x: jax.Array, layout: common.Layout, n_chunks: int,
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "chunk_size",
                                              "use_qk_l2norm", "beta_sigmoid",
                                              "allow_neg_eigval",
-                                             "check_values"))
+                                             "check_values", "config"))
 def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
          *, scale, impl, chunk_size, use_qk_l2norm, beta_sigmoid,
-         allow_neg_eigval, check_values):
-  """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``;
-  ``check_values``: :func:`value_checks` was on (static: a trace cached
-  without the checks is not reused with them)."""
+         allow_neg_eigval, check_values, config):
+  """Normalises the inputs into :data:`registry.CONTRACT` and runs ``impl``
+  (with ``config``, where it takes one); ``check_values``:
+  :func:`value_checks` was on (static: a trace cached without the checks
+  is not reused with them)."""
   if check_values:
     _debug_check_values(dict(q=q, k=k, v=v, initial_state=initial_state), a,
                         b, cu_seqlens=cu_seqlens, A_log=A_log,
@@ -364,13 +364,15 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
     gate = "gdn2"
   else:
     gate = "head" if a.shape[-1] == 1 else "channel"
-  fn = registry.select(
+  chosen = registry.select(
       impl, gate=gate, length=t,
       chunk_size=chunk_size, packed=segment_ids is not None
       or cu_seqlens is not None, grouped=hv != q.shape[2],
       wide=jnp.dtype(jnp.result_type(q, k, v)).itemsize >= 4,
-      head_dim=max(dk, dv)).fn
-  call = functools.partial(fn, scale=scale, chunk_size=chunk_size)
+      head_dim=max(dk, dv), config=config)
+  call = functools.partial(chosen.fn, scale=scale, chunk_size=chunk_size,
+                           **({} if chosen.config is None
+                              else dict(config=config)))
   if cu_seqlens is None:
     padded = common.round_up(t, chunk_size)
     q, k, v, a, b, cut = jax.tree.map(lambda x: common.pad_axis(x, 1, padded),
@@ -391,7 +393,7 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
                 return_final_state=False, segment_ids=None, cu_seqlens=None,
                 use_qk_l2norm=False, A_log=None, dt_bias=None,
                 beta_sigmoid=False, allow_neg_eigval=False, impl="auto",
-                chunk_size=64):
+                chunk_size=64, config=None):
   """Gated delta rule linear attention (Gated DeltaNet; KDA with a per-channel gate).
 
   For each token, with the state ``S`` of shape ``[K, V]``::
@@ -429,8 +431,17 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
     dt_bias: ``[HV]`` (``[HV, K]`` for KDA), used with ``A_log``.
     beta_sigmoid: ``b`` are logits, beta ``= sigmoid(b)``.
     allow_neg_eigval: beta is doubled (``2 sigmoid(b)`` with ``beta_sigmoid``).
-    impl: "scan", "chunked", "pallas" or "auto" (:func:`registry.select`).
+    impl: "scan", "chunked", "pallas", "mosaic" or "auto"
+      (:func:`registry.select`).
     chunk_size: tokens per chunk, 16, 32 or 64.
+    config: None (every implementation's defaults), or the tuning config
+      of the implementation that is to run it: ``deltajax.pallas.Config``
+      (launch knobs) for "pallas", ``deltajax.mosaic.Config`` for
+      "mosaic" ("scan" and "chunked" take none). A config picks its
+      implementation: with ``impl="auto"`` that implementation runs the
+      call (a ``ValueError`` if it cannot); with a named ``impl`` it must
+      be that implementation's (else a ``TypeError``). Frozen dataclasses,
+      validated when built, static under ``jit``.
 
   The rank-2 form ``q, k [T, K]``, ``v [T, V]``, ``a [T]`` or ``[T, K]``,
   ``b [T]``, ``initial_state [K, V]`` (one sequence of one head) is accepted
@@ -452,7 +463,7 @@ def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,
 def kda(q, k, v, a, b, *, scale=None, initial_state=None,
         return_final_state=False, segment_ids=None, cu_seqlens=None,
         use_qk_l2norm=False, A_log=None, dt_bias=None, beta_sigmoid=False,
-        allow_neg_eigval=False, impl="auto", chunk_size=64):
+        allow_neg_eigval=False, impl="auto", chunk_size=64, config=None):
   """Kimi Delta Attention: :func:`gated_delta` with a per-channel gate ``a`` ``[B, T, HV, K]``."""
   return _gated_delta(**locals(), require_per_channel=True)
 
@@ -460,7 +471,7 @@ def kda(q, k, v, a, b, *, scale=None, initial_state=None,
 def gdn2(q, k, v, a, b, w, *, scale=None, initial_state=None,
          return_final_state=False, segment_ids=None, cu_seqlens=None,
          use_qk_l2norm=False, A_log=None, dt_bias=None, impl="auto",
-         chunk_size=64):
+         chunk_size=64, config=None):
   """Gated DeltaNet-2: KDA's per-channel decay with channel-wise erase and
   write gates in place of beta.
 
@@ -496,16 +507,18 @@ def gdn2(q, k, v, a, b, w, *, scale=None, initial_state=None,
                       use_qk_l2norm=use_qk_l2norm, A_log=A_log,
                       dt_bias=dt_bias, beta_sigmoid=False,
                       allow_neg_eigval=False, impl=impl,
-                      chunk_size=chunk_size, require_per_channel=True)
+                      chunk_size=chunk_size, config=config,
+                      require_per_channel=True)
 
 
 def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
                  segment_ids, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
-                 beta_sigmoid, allow_neg_eigval, impl, chunk_size,
+                 beta_sigmoid, allow_neg_eigval, impl, chunk_size, config,
                  require_per_channel, w=None):
   q, k, v, a, b = (jnp.asarray(x) for x in (q, k, v, a, b))
   w = None if w is None else jnp.asarray(w)
   chunk_size = _check_options(impl, chunk_size)
+  registry.config_owner(impl, config)  # a TypeError before tracing
   single_head = q.ndim == 2
   if single_head:
     if segment_ids is not None or cu_seqlens is not None:
@@ -548,7 +561,7 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
       scale=scale, impl=impl, chunk_size=chunk_size,
       use_qk_l2norm=bool(use_qk_l2norm), beta_sigmoid=bool(beta_sigmoid),
       allow_neg_eigval=bool(allow_neg_eigval),
-      check_values=_VALUE_CHECKS.get())
+      check_values=_VALUE_CHECKS.get(), config=config)
   if single_head:
     o, final_state = o[0, :, 0], final_state[0, 0]
   return (o, final_state) if return_final_state else o

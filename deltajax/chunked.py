@@ -1,4 +1,4 @@
-"""Chunkwise gated delta rule in jnp: the UT transform (GDN seed, sections 2.3 and 3.2).
+"""Chunkwise gated delta rule in jnp: the UT transform (Gated DeltaNet, ICLR 2025).
 
 Per chunk of C tokens, with ``g`` the chunk-local cumulative log gate and
 ``Gamma[i, j] = exp(g_i - g_j)`` (zero across a cut, :class:`common.ChunkGate`):
@@ -17,10 +17,10 @@ Per chunk of C tokens, with ``g`` the chunk-local cumulative log gate and
 
     O = (Q * e^g) S + (Gamma * Q K^T) Delta
 
-``Delta`` is the seed's solution of ``(I + strictLower(A)) Delta = R`` with
+``Delta`` is the solution of ``(I + strictLower(A)) Delta = R`` with
 ``R = diag(b)(V - diag(gamma) K S)``: the decay enters before the delta
-prediction and the cross-chunk term ``W S`` is kept (seed summary, items 6
-and 7). ``T`` comes from :func:`common.invert_unit_lower` (matmuls, no
+prediction and the cross-chunk term ``W S`` is kept (Gated DeltaNet: Yang,
+Kautz & Hatamizadeh, ICLR 2025). ``T`` comes from :func:`common.invert_unit_lower` (matmuls, no
 LAPACK). The backward is derived by hand and follows the same three stages
 in reverse; it stores only the chunk-entry states.
 """

@@ -11,12 +11,14 @@ implementation; see :data:`deltajax.registry.CONTRACT`):
   ``W = K`` for KDA's per-channel gate, so that the same broadcasting code
   serves both.
 * ``cut`` (bool, a's shape, or None) marks tokens before which the state is
-  discarded: the start of a packed document (``segment_ids``) and a full
-  forget (``a = -inf``, which ``api`` turns into ``a = 0`` with a cut).
+  discarded: the start of a packed document (``segment_ids``). A full
+  forget (``a = -inf``, clamped at :data:`LOG_DECAY_FLOOR`) discards it
+  too: scan and chunked make it a cut with ``a = 0`` (:func:`token_step`,
+  :meth:`ChunkGate.of`); the GPU kernels keep it clamped.
 * ``chunk_seq`` (int32 ``[T / C]``, or None) gives, for inputs packed with
   ``cu_seqlens`` (B = 1), the sequence that owns each chunk; ``api`` lays
   the tokens out so that every sequence starts at a chunk boundary.
-* The state is the transposed ``S^T`` of the seeds: ``[N, HV, K, V]``, with
+* The state is ``[N, HV, K, V]`` (the papers' ``S^T``, keys by values), with
   ``N = B``, or the number of sequences when ``chunk_seq`` is given.
 * ``q`` arrives unscaled; implementations multiply by ``scale``.
 """
@@ -121,8 +123,8 @@ def drop(mask, x: jax.Array) -> jax.Array:
 
 
 def _masked_exp(x: jax.Array, mask) -> jax.Array:
-  """``exp(x)`` where ``mask``, else 0; masked *before* ``exp`` (GDN seed,
-  section 4.1): where the mask is off, ``x`` can be large and positive."""
+  """``exp(x)`` where ``mask``, else 0; masked *before* ``exp``: where the
+  mask is off, ``x`` can be large and positive."""
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
@@ -218,8 +220,8 @@ def _roll_rows(x: jax.Array, d) -> jax.Array:
 class _ChannelBlocks(NamedTuple):
   """The per-channel decay of one chunk, in pieces that never hold ``[C, C, K]``.
 
-  The chunk is cut into sub-chunks of ``S`` tokens (the KDA seed's 16-token
-  diagonal blocks). Pairs inside a sub-chunk (offsets ``d = i - j < S``)
+  The chunk is cut into sub-chunks of ``S`` tokens (16-token diagonal
+  blocks, as KDA's chunkwise form takes them: Kimi Linear, 2025). Pairs inside a sub-chunk (offsets ``d = i - j < S``)
   take ``exp(g_i - g_j)`` per element, one offset at a time (:meth:`band`,
   formed where it is used). Block row ``I`` (the tokens of sub-chunk ``I``
   against every earlier sub-chunk) factors through ``r_I``, the log gate at
@@ -420,10 +422,10 @@ def erase_write(b):
 
 
 def token_step(state, q, k, v, a, b, cut=None):
-  """One token of the gated delta rule (the KDA seed's five lines).
+  """One token of the gated delta rule (KDA's recurrence: Kimi Linear, 2025).
 
   Args:
-    state: ``[..., K, V]`` (the seeds' ``S^T``).
+    state: ``[..., K, V]`` (the papers' ``S^T``).
     q, k: ``[..., K]``, ``q`` already scaled.
     v: ``[..., V]``.
     a: ``[..., W]`` log decay, ``W`` in ``{1, K}``.

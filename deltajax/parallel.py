@@ -128,10 +128,10 @@ def gated_delta_in_pieces(q, k, v, a, b, *, pieces, scale=None,
   compositions of ``[K, K] x [K, K + V]`` per (batch, head); one
   ``[T, K] x [K, V]`` product per (batch, head). Gradients are those of
   autodiff through this computation. On the H200 with ``impl="mosaic"``
-  it was slower than one call at every shape timed (1.2x at (1, 65536,
-  16, 128), benchmarks/RESULTS.md run M); ``"mosaic"`` cuts such
-  sequences itself inside its kernels (its ``pieces``), without the
-  doubled batch.
+  it was slower than one call at every shape timed
+  (benchmarks/RESULTS.md); ``"mosaic"`` cuts such sequences itself inside
+  its kernels (``deltajax.mosaic.Config.pieces``), without the doubled
+  batch.
 
   Args:
     q, k, v, a, b, initial_state, scale, return_final_state, segment_ids,

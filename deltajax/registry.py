@@ -18,8 +18,8 @@ from deltajax import mosaic
 from deltajax import pallas
 from deltajax import scan
 
-CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk_size)
--> (o, final_state)``
+CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk_size[,
+config]) -> (o, final_state)``
 
 * q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` in the user's float dtypes,
   ``HV = G H`` (value head ``j`` reads query/key head ``j // G``), T a
@@ -27,7 +27,9 @@ CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk
 * a ``[B, T, HV, W]`` (``W = 1``: scalar gate; ``W = K``: per channel),
   ``<= 0``, ``-inf`` allowed: each implementation clamps it at
   :data:`common.LOG_DECAY_FLOOR` (:func:`common.floored`; the Pallas kernels
-  in their gate kernel, where it costs no pass over a); b ``[B, T, HV]``, or for the "gdn2" gate the pair
+  in their gate kernel, where it costs no pass over a); scan and chunked
+  make a gate at the floor a cut (a full forget); b ``[B, T, HV]``, or for
+  the "gdn2" gate the pair
   ``(erase [B, T, HV, K], write [B, T, HV, V])``; in the compute dtype
   (float32, float64 for float64 inputs).
 * initial_state ``[N, HV, K, V]`` in the compute dtype; ``N = B`` unless
@@ -37,6 +39,9 @@ CONTRACT = """``fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk
   (non-decreasing) sequence that owns each chunk. The first chunk of a
   sequence starts from ``initial_state[seq]``; the state leaving its last
   chunk is ``final_state[seq]``.
+* config: only for an implementation whose :attr:`Implementation.config`
+  is a class: an instance of it, or None (its defaults). A frozen
+  dataclass validated when built, hashable (static under ``jit``).
 * Returns o ``[B, T, HV, V]`` in v's dtype and final_state
   ``[N, HV, K, V]`` in the compute dtype; differentiable in q, k, v, a, b
   and initial_state (``jax.custom_vjp``).
@@ -68,6 +73,8 @@ class Implementation:
     wide: float32 and float64 q, k, v are computed at their precision;
       False: its products are 16-bit, and it takes 16-bit q, k, v only.
     max_head_dim: the largest K and V it takes (None: any).
+    config: the class of its ``config=`` argument (:data:`CONTRACT`), its
+      tuning knobs; None: it takes none.
   """
   name: str
   fn: Callable
@@ -81,6 +88,7 @@ class Implementation:
   auto_gates: tuple[str, ...] | None = None
   wide: bool = True
   max_head_dim: int | None = None
+  config: type | None = None
 
   def runs_natively(self) -> bool:
     """Whether it runs compiled on the default backend (and GPU)."""
@@ -137,15 +145,14 @@ REGISTRY = {
         "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
-        auto_gates=("head", "channel", "gdn2")),
+        auto_gates=("head", "channel", "gdn2"), config=pallas.Config),
     # Hopper only; faster than "pallas" on the H200, forward and
-    # forward+backward, at every shape timed (benchmarks/RESULTS.md, runs L
-    # and N: the per-head gate at six shapes, the per-channel one at four).
+    # forward+backward, at every shape timed (benchmarks/RESULTS.md).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
         chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
-        max_head_dim=mosaic.MAX_HEAD_DIM),
+        max_head_dim=mosaic.MAX_HEAD_DIM, config=mosaic.Config),
 }
 
 # The kernels "auto" considers, fastest first.
@@ -161,21 +168,61 @@ SCAN_BELOW = {"head": 1024, "channel": float("inf"),
               "gdn2": float("inf")}  # as the per-channel gate (not measured)
 
 
+def config_owner(impl: str, config) -> Implementation | None:
+  """The implementation whose config class ``config`` is an instance of
+  (None for None): the one it sends ``impl="auto"`` to, and the only one
+  a named ``impl`` may be.
+
+  Raises:
+    TypeError: ``config`` is no implementation's config, or not ``impl``'s.
+  """
+  if config is None:
+    return None
+  owner = next((i for i in REGISTRY.values()
+                if i.config is not None and isinstance(config, i.config)),
+               None)
+  if owner is None:
+    known = ", ".join(f"{i.config.__module__}.{i.config.__qualname__} "
+                      f"(impl={i.name!r})" for i in REGISTRY.values()
+                      if i.config is not None)
+    raise TypeError(f"config must be None or one of {known}; got "
+                    f"{type(config).__name__} {config!r}")
+  if impl not in ("auto", owner.name):
+    takes = REGISTRY[impl].config if impl in REGISTRY else None
+    raise TypeError(f"config={config!r} is impl={owner.name!r}'s; impl="
+                    f"{impl!r} takes "
+                    + ("no config" if takes is None else
+                       f"{takes.__module__}.{takes.__qualname__}"))
+  return owner
+
+
 def select(impl: str, *, gate: str, length: int, chunk_size: int,
            packed: bool, grouped: bool, wide: bool = False,
-           head_dim: int = 0) -> Implementation:
+           head_dim: int = 0, config=None) -> Implementation:
   """The implementation that runs a call: ``impl``, or the fastest for "auto".
 
   "auto" takes the first of :data:`AUTO_KERNELS` ("mosaic" on Hopper, then
   "pallas" on NVIDIA GPUs of compute capability >= 8.0) that runs natively,
   supports the call and lists the gate in its ``auto_gates``; else "scan"
   for short sequences on the CPU (:data:`SCAN_BELOW`); else "chunked".
+  With a ``config``, "auto" is the implementation whose config it is
+  (:func:`config_owner`), as if named.
 
   Raises:
-    ValueError: ``impl`` is unknown or cannot run this call.
+    TypeError: ``config`` is not ``impl``'s (:func:`config_owner`).
+    ValueError: ``impl`` is unknown or cannot run this call (or, under
+      "auto", the implementation of ``config``).
   """
   features = dict(gate=gate, chunk_size=chunk_size, packed=packed,
                   grouped=grouped, wide=wide, head_dim=head_dim)
+  owner = config_owner(impl, config)
+  if impl == "auto" and owner is not None:
+    reason = owner.unsupported(**features)
+    if reason is not None:
+      raise ValueError(f"config={config!r} is impl={owner.name!r}'s, which "
+                       f"cannot run this call: {reason}. config=None lets "
+                       f"impl='auto' pick one that can.")
+    return owner
   if impl == "auto":
     for kernels in map(REGISTRY.get, AUTO_KERNELS):
       if (kernels.runs_natively() and gate in kernels.chosen_by_auto()

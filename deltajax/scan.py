@@ -1,4 +1,4 @@
-"""The token recurrence: the definition of the gated delta rule (GDN seed, reference A).
+"""The token recurrence: the definition of the gated delta rule (Gated DeltaNet, ICLR 2025).
 
 ``lax.scan`` over tokens of :func:`deltajax.common.token_step`. The backward
 keeps the state only at chunk boundaries (memory ``O((T / C) K V)``) and

@@ -1,14 +1,16 @@
-"""References written from the seeds, independent of deltajax's code.
+"""References written from the papers, independent of deltajax's code.
 
-* :func:`ref_a`: reference A of the Gated DeltaNet seed (section 3.1), the
-  token recurrence in numpy float64, in the paper's orientation ``S [V, K]``
-  with the decay ``alpha`` (not its log). Generalised only as far as the tests
-  need: a per-channel ``alpha`` (the KDA seed's ``S <- S Diag(alpha)(I - b k
-  k^T) + b v k^T``), an initial state, and the final state.
+* :func:`ref_a`: the Gated DeltaNet recurrence (Yang, Kautz & Hatamizadeh,
+  ICLR 2025) token by token in numpy float64, in the paper's orientation
+  ``S [V, K]`` with the decay ``alpha`` (not its log). Generalised only as far
+  as the tests need: a per-channel ``alpha`` (KDA's ``S <- S Diag(alpha)(I -
+  b k k^T) + b v k^T``: Kimi Linear, 2025), an initial state, and the final
+  state.
 * :func:`plain_scan`: the same recurrence as a plain ``lax.scan`` in jnp, with
   no custom VJP, so that ``jax.vjp`` gives the autodiff gradients.
 * :func:`plain_scan_gdn2`: that rule as a plain differentiable ``lax.scan``.
-* :func:`ref_gdn2`: Gated DeltaNet-2 (Hatamizadeh, Choi and Kautz, 2026) as
+* :func:`ref_gdn2`: Gated DeltaNet-2 (Hatamizadeh, Choi and Kautz, 2026,
+  arXiv 2605.22791) as
   the paper writes it, ``S_t = (I - k (b * k)^T) Diag(exp a) S_{t-1} + k (w *
   v)^T`` with ``S [K, V]``, in numpy float64.
 
@@ -22,7 +24,7 @@ from jax import lax
 
 
 def ref_a(q, k, v, alpha, beta, initial_state=None):
-  """The seed's reference A, token by token.
+  """The Gated DeltaNet recurrence, token by token.
 
   Args:
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.

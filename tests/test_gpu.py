@@ -6,8 +6,8 @@ tests/test_gpu_fla.py: fla's grids through impl="auto").
 same device and the same (rounded) values, with fla's tolerances (relative
 RMS error): impl="pallas" on a grid of lengths and head dims, on KDA and on
 Gated DeltaNet-2; impl="mosaic" on Hopper (Gated DeltaNet and KDA, the
-forward outside differentiation, the scan in pieces, and KDA's Mosaic first
-pass of the scores against the Pallas one, output by output); impl="auto"
+forward outside differentiation, the one-warpgroup path of
+``jax_enable_x64``, the scan in pieces); impl="auto"
 on segment ids, under vmap and in pieces
 (``parallel.gated_delta_in_pieces``); the decoding step's kernel in a
 jitted loop at the benchmark's shape.
@@ -23,9 +23,6 @@ import pytest
 import deltajax
 from deltajax import mosaic
 from deltajax import pallas
-from deltajax.mosaic import compat as mosaic_compat
-from deltajax.mosaic import intra as mosaic_intra
-from deltajax.mosaic import ops as mosaic_ops
 from deltajax.pallas import ut as pallas_ut
 import utils
 
@@ -107,11 +104,10 @@ def _check(impl, args, cts, dtype=jnp.bfloat16, label="", **options):
 
 
 @pytest.mark.parametrize("keys", ["random", "aligned"])
-@pytest.mark.parametrize("method", pallas_ut.INVERSE_METHODS)
-def test_pallas_inverse_methods_match_float64(method, keys):
-  """The Pallas UT inverse by each method (``Launch.method``) on bf16 keys:
-  T against float64 to its bf16 rounding, random keys with a decaying gate
-  and b in (0, 2), and identical keys without decay at b = 1.99."""
+def test_pallas_inverse_matches_float64(keys):
+  """The Pallas UT inverse (impl="mosaic"'s too) on bf16 keys: T against
+  float64 to its bf16 rounding, random keys with a decaying gate and b in
+  (0, 2), and identical keys without decay at b = 1.99."""
   bsz, t, h, dk = 2, 1024, 4, 128
   rng = np.random.default_rng(5)
   k = rng.standard_normal((bsz, 1 if keys == "aligned" else t, h, dk))
@@ -123,11 +119,11 @@ def test_pallas_inverse_methods_match_float64(method, keys):
   else:
     g = np.cumsum(-rng.uniform(0, 0.1, (bsz, h, t // 64, 64)), -1)
     g, b = g.reshape(bsz, h, t), rng.uniform(0, 2, (bsz, h, t))
-  config = pallas.KernelConfig(interpret=False)
+  config = pallas.Config(interpret=False)
   got = pallas_ut.inverse(
       k=jnp.asarray(k, jnp.bfloat16), g=jnp.asarray(g, jnp.float32),
       b=jnp.asarray(b, jnp.float32), cuts=None, a=None, heads=h,
-      chunk_size=64, launch=pallas.Launch(num_warps=4, method=method),
+      chunk_size=64, launch=config.launch("inverse", per_channel=False),
       interpret=False, dot=config.dot)
   chunks = lambda x: x.reshape(*x.shape[:-1], t // 64, 64)
   kc = np.moveaxis(k.reshape(bsz, t // 64, 64, h, dk), 3, 1)
@@ -137,7 +133,7 @@ def test_pallas_inverse_methods_match_float64(method, keys):
   want = np.linalg.inv(np.eye(64) + bc[..., None] * a)
   got = np.asarray(got, np.float64).reshape(want.shape)
   err = np.max(np.abs(got - want)) / np.max(np.abs(want))
-  print(f"inverse {method} {keys}: max error {err:.1e} of T's largest entry")
+  print(f"inverse {keys}: max error {err:.1e} of T's largest entry")
   assert err < 2 ** -8, err
 
 
@@ -186,15 +182,16 @@ def test_mosaic_forward_alone_matches_float64_reference(t, d, hv):
 @pytest.mark.parametrize("t,d,hv", [(64, 128, None), (1024, 64, None),
                                     (1024, 100, 4), (4096, 128, None)])
 def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
-  """The one-warpgroup scan (``schedule="one"``, the per-head gate's
-  default being three warpgroups) and the reverse pass carrying ``dS``
-  that goes with it, called directly (T a multiple of the chunk), on one
-  chunk, K = 64, a padded head dim with grouped value heads, and a long
-  sequence."""
+  """The one-warpgroup scan and the backward's four kernels that go with
+  it (the per-head path under ``jax_enable_x64``, traced so here; outside
+  it the scan takes three warpgroups), called directly (T a multiple of
+  the chunk), on one chunk, K = 64, a padded head dim with grouped value
+  heads, and a long sequence."""
   def one(q, k, v, a, b, s0):
-    return mosaic.gated_delta_mosaic(
-        q, k, v, a[..., None], b, s0, None, None, scale=q.shape[-1] ** -0.5,
-        chunk_size=mosaic.CHUNK, schedule="one")
+    with jax.enable_x64(True):
+      return mosaic.gated_delta_mosaic(
+          q, k, v, a[..., None], b, s0, None, None,
+          scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK)
   args, cts = _inputs(t, d, seed=t * 1000 + d + 7, hv=hv)
   _check(one, args, cts, label=f"one warpgroup T={t} D={d} HV={hv}")
 
@@ -204,12 +201,13 @@ def test_mosaic_one_warpgroup_schedule_matches_float64_reference(t, d, hv):
 @pytest.mark.parametrize("pieces", [2, 8])
 def test_mosaic_pieces_match_float64_reference(pieces, per_channel):
   """The forward's scan cut into pieces walked side by side from entry
-  states composed of the pieces' maps (``pieces``), called directly: one
-  sequence of 4096 tokens, two heads."""
+  states composed of the pieces' maps (``Config.pieces``), called
+  directly: one sequence of 4096 tokens, two heads."""
   def cut(q, k, v, a, b, s0):
     return mosaic.gated_delta_mosaic(
         q, k, v, a if per_channel else a[..., None], b, s0, None, None,
-        scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK, pieces=pieces)
+        scale=q.shape[-1] ** -0.5, chunk_size=mosaic.CHUNK,
+        config=mosaic.Config(pieces=pieces))
   args, cts = _inputs(4096, 128, seed=pieces, bsz=1, per_channel=per_channel)
   _check(cut, args, cts, label=f"pieces={pieces} per_channel={per_channel}")
 
@@ -240,67 +238,24 @@ def test_kda_mosaic_moderate_gates(d):
 
 
 @_needs_hopper
-@pytest.mark.parametrize("scores", mosaic_ops.SCORES)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_kda_mosaic_16_bit_at_fla_gates(dtype, scores):
+def test_kda_mosaic_16_bit_at_fla_gates(dtype):
   """fla's KDA test in float16 and bfloat16 (B = 2, H = 3, D = 64, scale
   0.1, gates logsigmoid(N(0, 1)) with half of them 0, an initial state; T
   = 960, a multiple of the chunk, as the kernels are called directly)
-  through impl="mosaic", with either first pass of the scores: the
-  chunks' gates fall by 32 to 43 (93 % of them by 40 at most, which the
-  Mosaic kernels factor through the midpoint gate), factors up to e^20,
-  past float16's 65504 = e^11.1 (float16 operands there gave Inf dq, dk,
-  da and db; NaN o with the Mosaic first pass)."""
+  through impl="mosaic": the chunks' gates fall by 32 to 43 (93 % of
+  them by 40 at most, which the Mosaic scores' backward factors through
+  the midpoint gate), factors up to e^20, past float16's 65504 = e^11.1
+  (float16 operands there gave Inf dq, dk, da and db)."""
   def run(q, k, v, a, b, s0):
     return mosaic.gated_delta_mosaic(q, k, v, a, b, s0, None, None,
-                                     scale=0.1, chunk_size=mosaic.CHUNK,
-                                     scores=scores)
+                                     scale=0.1, chunk_size=mosaic.CHUNK)
   args, cts = _inputs(960, 64, seed=41, h=3, per_channel=True,
                       gate_div=1.0)
   rng = np.random.default_rng(42)
   a = np.where(rng.uniform(size=args[3].shape) < 0.5, 0.0, args[3])
   _check(run, (*args[:3], a, *args[4:]), cts, dtype=dtype, scale=0.1,
-         label=f"kda mosaic {jnp.dtype(dtype).name} fla gates "
-         f"scores={scores}")
-
-
-def _scores_first_pass_errors(dk, interpret=False):
-  """Relative RMS errors, by output, of the forward's first pass of KDA's
-  scores through :func:`deltajax.mosaic.intra.forward` (then the Pallas
-  second pass) against the Pallas passes alone, on the same 16-bit q and k
-  (fla's KDA inputs but for gates of about -0.1 a token, so that every
-  chunk's scores are the Mosaic pass's, 16 chunks, two value heads)."""
-  x = utils.random_inputs(dk, batch=1, length=1024, heads=2, key_dim=dk,
-                          value_dim=dk, per_channel=True,
-                          nonnegative_qk=True, gate_scale=1 / 8)
-  q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
-  a = jnp.asarray(x.a, jnp.float32)
-  config = pallas.core.KernelConfig(interpret=interpret).resolve()
-  shared = dict(q=q, k=k, a=a, cuts=None, heads=2, scale=0.3,
-                chunk_size=mosaic.CHUNK, interpret=config.interpret,
-                dot=config.dot, from_start=(q, k), to_end=(k,),
-                launch=config.launch("intra", per_channel=True))
-  done = mosaic_intra.forward(mosaic_compat.Mosaic(interpret=interpret), q,
-                              k, a, heads=2, scale=0.3)
-  got = jax.tree.leaves(pallas.intra.forward(**shared, done=done))
-  want = jax.tree.leaves(pallas.intra.forward(**shared, keep_g=True))
-  names = ("A", "P", "g_end", "Q e^g", "K e^g", "K e^{g_C - g}", "g")
-  return {n: utils.relative_rms_error(np.asarray(y, np.float64),
-                                      np.asarray(w, np.float64))
-          for n, y, w in zip(names, got, want)}
-
-
-@_needs_hopper
-@pytest.mark.parametrize("dk", [64, 128])
-def test_kda_mosaic_scores_first_pass(dk):
-  """The Mosaic first pass of the scores compiled against the Pallas one,
-  output by output (``gated_delta_mosaic(..., scores="mosaic")`` gave NaN
-  in o on the H200 where the interpreter matches, RESULTS run X)."""
-  errors = _scores_first_pass_errors(dk)
-  print(f"scores' first pass K={dk}: " + " ".join(
-      f"{n}={e:.1e}" for n, e in errors.items()))
-  assert all(e < (1e-4 if n in "AP" else 5e-3)
-             for n, e in errors.items()), errors
+         label=f"kda mosaic {jnp.dtype(dtype).name} fla gates")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],

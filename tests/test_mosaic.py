@@ -1,11 +1,17 @@
 """impl="mosaic" in the Mosaic GPU interpreter on the CPU (the GPU run:
-tests/test_gpu.py, benchmarks/mosaic_check.py).
+tests/test_gpu.py).
 
 The interpreter checks the kernels' data movement and arithmetic, not their
-register layouts or wgmma operand forms (deltajax/mosaic/compat.py). The
-products take 16-bit operands, so every check is at fla's tolerances against
-float64 on the same rounded inputs.
+register layouts or wgmma operand forms (deltajax/mosaic/compat.py): the
+tests that lower for CUDA check those, without a GPU. The products take
+16-bit operands, so every check is at fla's tolerances against float64 on
+the same rounded inputs. Each path runs on small shapes: the per-head
+three-warpgroup path (outside ``jax_enable_x64``, as ``impl="auto"`` runs
+it), the one-warpgroup path of ``jax_enable_x64``, the per-channel (KDA)
+path, and the scan in pieces (:class:`deltajax.mosaic.Config`).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,72 +41,99 @@ TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, da=0.02,
                   db=0.02, dh0=0.008)
 
 
-def _value_and_grads(impl, args, cts):
-  """``{name: float64 numpy}``: outputs and gradients, under one jit."""
-  def run(args, cts):
-    f = lambda *x: deltajax.gated_delta(
-        *x[:5], initial_state=x[5], impl=impl, return_final_state=True)
-    out, vjp = jax.vjp(f, *args)
-    return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
-  out, grads = jax.jit(run)(args, tuple(jnp.asarray(c) for c in cts))
+@functools.partial(jax.jit, static_argnames=("impl", "config"))
+def _vjp(args, cts, *, impl, config):
+  f = lambda *x: deltajax.gated_delta(
+      *x[:5], initial_state=x[5], impl=impl, return_final_state=True,
+      config=config)
+  out, vjp = jax.vjp(f, *args)
+  return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
+
+
+def _value_and_grads(impl, args, cts, config=None):
+  """``{name: float64 numpy}``: outputs and gradients, under one jit (one
+  compilation for the tests of one shape)."""
+  out, grads = _vjp(args, tuple(jnp.asarray(c) for c in cts), impl=impl,
+                    config=config)
   return {n: np.asarray(x, np.float64)
           for n, x in zip(TOLERANCES, (*out, *grads))}
 
 
-def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True):
-  """Mosaic on q, k, v in ``dtype`` against float64 on the same values;
+def _args(x, dtype=jnp.bfloat16):
+  """q, k, v in ``dtype``, the gate, beta and initial state float32."""
+  return (tuple(jnp.asarray(t, dtype) for t in x[:3])
+          + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
+
+
+def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True,
+           config=None):
+  """Mosaic on q, k, v in ``dtype`` against the token recurrence
+  (``impl="scan"``) in float64 on the same values;
   under ``jax_enable_x64`` (``x64``: the kernels' int32 indexing holds
   there, and the scan takes one warpgroup) or outside it (as ``"auto"``
   runs: three warpgroups)."""
   cts = utils.random_cotangents(1, x)
-  args = (tuple(jnp.asarray(t, dtype) for t in x[:3])
-          + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
+  args = _args(x, dtype)
   with jax.enable_x64(x64):
-    got = _value_and_grads("mosaic", args, cts)
+    got = _value_and_grads("mosaic", args, cts, config)
   with jax.enable_x64(True):
     ref = _value_and_grads(
-        "chunked", tuple(jnp.asarray(t, jnp.float64) for t in args), cts)
+        "scan", tuple(jnp.asarray(t, jnp.float64) for t in args), cts)
   for name, tol in tolerances.items():
     assert np.all(np.isfinite(got[name])), name
     err = utils.relative_rms_error(got[name], ref[name])
     assert err < tol, (name, err)
 
 
-# (B, T, H, HV, K, V): T not a multiple of the chunk with head dims padded
-# (48 -> 64); two chunks with V = 128 (two V blocks of the scans); grouped
-# value heads (K = 100 -> 128); K = V = 32 (padded to 64, forward and
-# backward).
-@pytest.mark.parametrize("shape", [(1, 100, 2, 2, 48, 48),
-                                   (1, 128, 1, 1, 64, 128),
-                                   (1, 40, 1, 2, 100, 64),
-                                   (1, 70, 1, 1, 32, 32)])
-def test_mosaic_matches_float64(shape):
-  bsz, t, h, hv, dk, dv = shape
-  _check(utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
-                             value_heads=hv, key_dim=dk, value_dim=dv,
-                             gate_scale=0.25, state_scale=0.1))
+def _kernel_names(jaxpr):
+  """The names of the kernels a jaxpr launches, in order (nested jaxprs
+  too)."""
+  names = []
+  for eqn in jaxpr.eqns:
+    name = str(eqn.params.get("name", ""))
+    if name.startswith("deltajax_"):
+      names.append(name)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", None)
+      if inner is not None:
+        names += _kernel_names(getattr(inner, "jaxpr", inner))
+  return names
 
 
-@pytest.mark.parametrize("gate_scale", [10.0, 0.1])
-def test_mosaic_float16_fla_gdn_grid(gate_scale):
-  """float16 q, k, v, beta = 1 and gates scaled as fla's GDN grid (which
-  impl="auto" sends here on Hopper), with half of the gates zeroed."""
-  x = utils.random_inputs(11, batch=1, length=100, heads=2, key_dim=100,
-                          value_dim=64, gate_scale=gate_scale, beta_one=True,
-                          state_scale=0.1)
+def test_default_path_matches_float64():
+  """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
+  ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
+  chunk_backward. float16 q, k, v as in fla's GDN grid (beta = 1, strong
+  gates, one value head's gates zeroed); grouped value heads (dq and dk
+  per value head in 16 bits, summed in float32); T = 130, three chunks
+  (the kernels' two slots of input tiles reused; the last chunk padded);
+  K = 100 and V = 40 padded to 128 and 64."""
+  x = utils.random_inputs(11, batch=1, length=130, heads=1, value_heads=2,
+                          key_dim=100, value_dim=40, gate_scale=10.0,
+                          beta_one=True, state_scale=0.1)
   a = x.a.copy()
   a[:, :, :1] = 0
-  _check(x._replace(a=a), dtype=jnp.float16)
+  _check(x._replace(a=a), dtype=jnp.float16, x64=False)
+
+
+def test_mosaic_matches_float64():
+  """The per-head path under ``jax_enable_x64``: the one-warpgroup scan
+  and the backward's four kernels (W, the output's backward with its 16-bit
+  share of dk, the reverse pass carrying dS, ut_backward); grouped value
+  heads, T = 40 (one chunk, padded), K = 100 padded to 128."""
+  _check(utils.random_inputs(3, batch=1, length=40, heads=1, value_heads=2,
+                             key_dim=100, value_dim=64, gate_scale=0.25,
+                             state_scale=0.1))
 
 
 def test_mosaic_full_forgets():
   """a = -inf (clamped at the floor) inside a chunk, at a chunk's first
   token and at the last token: the state is forgotten there, as in float64
   (impl="auto" sends such calls here on Hopper)."""
-  x = utils.random_inputs(5, batch=1, length=100, heads=1, key_dim=64,
+  x = utils.random_inputs(5, batch=1, length=128, heads=1, key_dim=64,
                           value_dim=64, gate_scale=0.25, state_scale=0.1)
   a = x.a.copy()
-  a[:, [30, 64, 99]] = -np.inf
+  a[:, [30, 64, 127]] = -np.inf
   _check(x._replace(a=a))
 
 
@@ -108,7 +141,8 @@ def test_mosaic_strong_gates_stay_finite():
   """a = -5 on every token of the first chunk and -30 on single tokens, b
   near 2, nearly aligned keys: every exponent is <= 0, nothing overflows.
   The bf16 roundings cost more here (impl="pallas" has the same errors: o
-  7e-3, da 3.5e-2)."""
+  7e-3, da 3.5e-2). The shape of test_mosaic_full_forgets (one
+  compilation)."""
   x = utils.strong_kda_inputs(5, length=128, key_dim=64, value_dim=64)
   a = np.where(np.arange(128)[None, :, None] < 64, -5.0, x.a[..., 0])
   a[:, 70] = a[:, 100] = -30.0
@@ -116,38 +150,40 @@ def test_mosaic_strong_gates_stay_finite():
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
 
 
-@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
-def test_mosaic_pieces_match_float64(per_channel, monkeypatch):
-  """The forward's scan cut into four pieces (``"auto"``'s choice where the
-  scan's CTAs leave most multiprocessors idle, forced here): the map pass
-  of the first three, their composition, the scan from each piece's entry
-  state, and the backward on the states it saves. T = 250 (four chunks,
-  the last padded), grouped value heads, K != V."""
-  monkeypatch.setattr(ops, "_default_pieces", lambda ctas, n_chunks: 4)
+def test_mosaic_pieces_match_float64():
+  """The one-warpgroup scan cut into four pieces (``Config(pieces=4)``;
+  ``"auto"``'s choice where the scan's CTAs leave most multiprocessors
+  idle), KDA's: the map pass of the first three, their composition, the
+  scan from each piece's entry state, and the backward's reverse pass in
+  pieces on the states it saves. T = 250 (four chunks, the last padded),
+  grouped value heads, K != V (V = 128: two V blocks), the gates' scales
+  spread over the key channels."""
   x = utils.random_inputs(31, batch=1, length=250, heads=1, value_heads=2,
-                          key_dim=64, value_dim=128, per_channel=per_channel,
+                          key_dim=64, value_dim=128, per_channel=True,
                           gate_scale=0.25, state_scale=0.1)
-  if per_channel:
-    x = x._replace(a=x.a * np.geomspace(1e-3, 0.3, 64))
-  _check(x)
+  _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, 64)),
+         config=mosaic.Config(pieces=4))
 
 
-def test_pieces_in_the_specialized_scan():
-  """The three-warpgroup scan in three pieces (its map pass in two
-  warpgroups) gives the outputs and gradients of one piece, up to the
-  rounding of the entry states to bf16 in the products: K = 128, V = 64,
-  so that the map pass's identity takes two of its three value blocks."""
-  args, cts = _contract_inputs(17, length=192, value_heads=1, key_dim=128,
-                               value_dim=64)
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, schedule="specialized",
-                                        pieces=n)) for n in (3, 1)]
-  for i, (got, want) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
-    assert utils.relative_rms_error(got, want) < 5e-3, i
-  for pieces in (2, 0, 1.0):
-    with pytest.raises(ValueError, match="pieces must be a positive int "
-                       "dividing the 3 chunks"):
-      _mosaic_vjp(args, cts, pieces=pieces)
+def test_config_pieces_match_float64():
+  """``gated_delta(..., impl="mosaic", config=Config(pieces=2))`` on the
+  default path: the three-warpgroup scan in two pieces (its map pass in
+  two warpgroups), the three-warpgroup reverse pass in pieces (the second
+  piece's local pass first), against float64: K = 128, V = 64, so that the
+  map pass's identity takes two of its three value blocks; weak gates, so
+  that the state and its cotangent cross the pieces. Only with the
+  config does the map pass run (one piece off the GPU by default: the
+  other tests); pieces that do not divide the chunks are refused."""
+  x = utils.random_inputs(17, batch=1, length=128, heads=1, key_dim=128,
+                          value_dim=64, gate_scale=0.01, state_scale=0.1)
+  _check(x, x64=False, config=mosaic.Config(pieces=2))
+  kernels = lambda config: _kernel_names(jax.make_jaxpr(
+      lambda *z: deltajax.gated_delta(*z[:5], initial_state=z[5],
+                                      impl="mosaic", config=config))(
+                                          *_args(x)).jaxpr)
+  assert "deltajax_mosaic_maps" in kernels(mosaic.Config(pieces=2))
+  with pytest.raises(ValueError, match="pieces = 3 must divide the 2 chunks"):
+    kernels(mosaic.Config(pieces=3))
 
 
 def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
@@ -167,15 +203,16 @@ def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
 def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
   """The whole forward and backward in two pieces lowers for CUDA under
-  ``jax_enable_x64`` (as the GPU tests run it): the arrays the wrappers
-  create between the kernels (the map pass's identity, the local reverse
-  pass's zero cotangent) stay float32, which the interpreter does not
-  check (a float64 one failed every GPU test of the pieces)."""
+  ``jax_enable_x64``: the arrays the wrappers create between the kernels
+  (the map pass's identity, the local reverse pass's zero cotangent) stay
+  float32, which the interpreter does not check (a float64 one failed
+  every GPU test of the pieces)."""
   args = _compiled_inputs(monkeypatch, 256, 1, 2, 128, per_channel)
 
   def loss(*x):
     o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
-                                         chunk_size=64, pieces=2)
+                                         chunk_size=64,
+                                         config=mosaic.Config(pieces=2))
     return o.astype(jnp.float32).sum() + final.sum()
 
   with jax.enable_x64(True):
@@ -197,44 +234,39 @@ def test_default_pieces(monkeypatch):
   assert ops._default_pieces(8, 95) == 1
 
 
-# (B, T, H, HV, K, V) of KDA (a per-channel gate): grouped value heads; K = 128
-# with V = 64 over three chunks; T not a multiple of the chunk with head dims
-# padded (100 -> 128, 48 -> 64).
-@pytest.mark.parametrize("shape", [(1, 128, 1, 2, 64, 64),
-                                   (1, 192, 1, 2, 128, 64),
-                                   (1, 100, 1, 1, 100, 48)])
-def test_mosaic_per_channel_matches_float64(shape):
-  """The gates' scales spread over the key channels, from a state kept over
-  many chunks to one forgotten within a chunk, so that the state's decay
-  per row matters (channel 0's decay on every row took the final state to
-  0.41 relative RMS error, o to 0.055; in the reverse pass, dk to 0.23, the
-  next chunk's decay dh0 to 2.4e-2: impl="pallas" has the same errors as
-  this one, o 3.1e-3, da 4.4e-3)."""
-  bsz, t, h, hv, dk, dv = shape
-  x = utils.random_inputs(sum(shape), batch=bsz, length=t, heads=h,
-                          value_heads=hv, key_dim=dk, value_dim=dv,
-                          per_channel=True, state_scale=0.1)
-  _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, dk)))
+def test_mosaic_per_channel_matches_float64():
+  """KDA (per-channel gate): the Pallas gate, scores and inverse, the
+  one-warpgroup scan, and the backward with the Mosaic W, reverse pass,
+  ut_backward and scores' backward. The gates' scales spread over the key
+  channels, from a state kept over many chunks to one forgotten within a
+  chunk, so that the state's decay per row matters (channel 0's decay on
+  every row took the final state to 0.41 relative RMS error, o to 0.055;
+  in the reverse pass, dk to 0.23, the next chunk's decay dh0 to 2.4e-2).
+  T = 150 (three chunks, the last padded), K = 100 and V = 48 padded to
+  128 and 64."""
+  x = utils.random_inputs(7, batch=1, length=150, heads=1, key_dim=100,
+                          value_dim=48, per_channel=True, state_scale=0.1)
+  _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, 100)))
 
 
 def test_mosaic_per_channel_strong_gates_stay_finite():
   """KDA with a = -5 on every token and channel (the state forgotten within
   a few tokens), b near 2 and nearly aligned keys: nothing overflows, and
-  the results keep fla's tolerances (as impl="pallas": o 2.3e-3, da
-  3.5e-3)."""
-  x = utils.strong_kda_inputs(7, length=128, key_dim=64, value_dim=64)
+  the results keep fla's tolerances, as impl="pallas"'s do. The shape of
+  test_mosaic_per_channel_matches_float64 (one compilation)."""
+  x = utils.strong_kda_inputs(7, length=150, key_dim=100, value_dim=48)
   _check(x._replace(a=np.full_like(x.a, -5.0),
                     initial_state=0.1 * x.initial_state))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_mosaic_per_channel_16_bit_gates_past_float16(dtype):
-  """KDA in float16 and bfloat16 at fla's KDA gates (logsigmoid(N(0, 1)),
+def test_mosaic_per_channel_float16_gates_past_float16():
+  """KDA in float16 at fla's KDA gates (logsigmoid(N(0, 1)),
   half of them 0): on some channel each chunk's gate falls by 35 to 40,
   within the span that the scores' backward factors through the midpoint
   gate (so the Mosaic kernel takes every chunk), with factors up to e^20,
   past float16's 65504 = e^11.1 (float16 operands there gave Inf dq, dk,
   da and db). Against the plain scan in float64 at fla's tolerances."""
+  dtype = jnp.float16
   x = utils.random_inputs(24, batch=1, length=128, heads=1, key_dim=64,
                           value_dim=64, per_channel=True)
   rng = np.random.default_rng(24)
@@ -287,8 +319,7 @@ def test_reverse_per_channel_matches_float64(dk, dv):
   within the first chunk, others at single tokens, the rest kept), against
   float64 on the same 16-bit operands (2.3e-3 relative RMS error at most;
   dS's rows decayed by channel 0's e^{g_C} took dDelta to 3.8e-2, by the
-  next chunk's e^{g_C} d_initial to 5.3e-2); the transposed pass refuses
-  them."""
+  next chunk's e^{g_C} d_initial to 5.3e-2)."""
   x = utils.strong_kda_inputs(dk + dv, length=192, heads=2, key_dim=dk,
                               value_dim=dv)
   c, rng = scan.C, np.random.default_rng(dk)
@@ -309,8 +340,6 @@ def test_reverse_per_channel_matches_float64(dk, dv):
                            _reverse_reference(*args, scale=0.1)):
     err = utils.relative_rms_error(np.asarray(x, np.float64), want)
     assert err < 5e-3, (name, err)
-  with pytest.raises(ValueError, match="per-head gate"):
-    reverse.backward(mg, *args, scale=0.1, transposed=True, per_channel=True)
 
 
 def _per_channel_ut_inputs(seed, heads, value_heads, dk, dv, length=128):
@@ -338,25 +367,23 @@ def _per_channel_ut_inputs(seed, heads, value_heads, dk, dv, length=128):
       d_delta=bf16(normal(1, length, value_heads, dv)))
 
 
-@pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 1, 64, 128),
-                                                     (1, 2, 128, 64),
-                                                     (1, 1, 128, 128)])
+@pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 2, 128, 64)])
 def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
                                                         dk, dv):
   """The per-channel (KDA) Mosaic ut_backward on strong gates against the
   Pallas kernel in float64 on the same 16-bit operands (W and U from T):
   dk, dv, db, the cumulative gate's dg and dM, with grouped value heads in
   one case (1.9e-3 relative RMS error at most: the 16-bit roundings of
-  dX, dW and dM's bracket), and the per-channel W of :func:`ut.w_u`;
+  dX, dW and dM's bracket), and the per-channel W of :func:`ut.w`;
   impl="mosaic"'s adapter refuses read keys."""
   x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
                              dv)
   got = ut_backward.ut_backward(compat.Mosaic(interpret=True), **x)
-  got += ut.w_u(compat.Mosaic(interpret=True),
-                *(x[n] for n in ("k", "v", "g", "b", "t")), values=False)[:1]
+  got += (ut.w(compat.Mosaic(interpret=True),
+               *(x[n] for n in ("k", "g", "b", "t")), heads=value_heads),)
   with jax.enable_x64(True):
     wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
-    config = pallas.core.KernelConfig(interpret=True)
+    config = pallas.Config(interpret=True)
     launch = lambda name: config.launch(name, per_channel=True)
     shared = dict(cuts=None, chunk_size=ut.C, interpret=True,
                   dot=config.dot)
@@ -372,8 +399,8 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
                                    np.asarray(ref, np.float64))
     assert err < 5e-3, (name, err)
   with pytest.raises(ValueError, match="no read keys"):
-    ops._ut(compat.Mosaic(interpret=True), **x, dk_out=None,
-                   dg_out=None, kr=x["k"])
+    ops._ut(compat.Mosaic(interpret=True), **x, dk_out=None, dg_out=None,
+            kr=x["k"])
 
 
 def test_per_channel_ut_backward_has_no_races():
@@ -406,96 +433,14 @@ def test_chunk_backward_has_no_races():
   assert not compat.races_found()
 
 
-def _contract_inputs(seed, **shape):
-  """``(args, cotangents)`` for :func:`mosaic.gated_delta_mosaic` itself: bf16
-  q, k, v, float32 a ``[..., 1]``, b and initial state; the cotangents of
-  o (bf16) and of the final state."""
-  x = utils.random_inputs(seed, batch=1, heads=1, gate_scale=0.25,
-                          state_scale=0.1, **shape)
-  q, k, v = (jnp.asarray(t, jnp.bfloat16) for t in x[:3])
-  a, b, s0 = (jnp.asarray(t, jnp.float32) for t in x[3:])
-  d_o, d_s = utils.random_cotangents(seed + 1, x)
-  return ((q, k, v, a[..., None], b, s0),
-          (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32)))
-
-
-def _float64_grads(args, cotangents):
-  """The gradients of ``impl="chunked"`` in float64 at
-  :func:`_contract_inputs`' ``(args, cotangents)``."""
+def test_schedule():
+  """Three warpgroups for the per-head gate; one per channel, and under
+  x64, which the interpreter cannot trace with three (tests here run the
+  kernels under x64 too)."""
+  assert ops._schedule(per_channel=False) == "specialized"
+  assert ops._schedule(per_channel=True) == "one"
   with jax.enable_x64(True):
-    f = lambda q, k, v, a, b, s0: deltajax.gated_delta(
-        q, k, v, a[..., 0], b, initial_state=s0, impl="chunked", scale=0.125,
-        return_final_state=True)
-    return jax.vjp(f, *(jnp.asarray(x, jnp.float64) for x in args))[1](
-        tuple(jnp.asarray(c, jnp.float64) for c in cotangents))
-
-
-def _mosaic_vjp(args, cotangents, **options):
-  """``(outputs, gradients)`` of :func:`mosaic.gated_delta_mosaic` with
-  ``options``."""
-  f = lambda *x: mosaic.gated_delta_mosaic(*x, None, None, scale=0.125,
-                                           chunk_size=64, **options)
-  out, vjp = jax.vjp(f, *args)
-  return out, vjp(cotangents)
-
-
-def test_per_channel_backward_in_mosaic_gpu():
-  """KDA's backward in Mosaic GPU (``backward=BACKWARD``: ut_backward and
-  the scores' backward) on the strong gates of
-  :func:`utils.strong_kda_inputs` at K = 128, V = 64, three chunks (the
-  first's gate falls by 320 over it, so the Pallas pass by blocks rewrites
-  it): against float64, within 1.5 times the Pallas kernels' errors
-  (``backward=("reverse",)``; beyond fla's tolerances for both on these
-  inputs, the forward's too: o 1.1e-2; dq 1.5e-2 against 1.3e-2, da 1.7e-2
-  against 1.4e-2: 16-bit operands where the Pallas kernels take TF32
-  ones)."""
-  x = utils.strong_kda_inputs(3, length=192, key_dim=128, value_dim=64)
-  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
-          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  cts = tuple(jnp.asarray(c, jnp.float32)
-              for c in utils.random_cotangents(4, x))
-  cts = (cts[0].astype(jnp.bfloat16), cts[1])
-  with jax.enable_x64(True):
-    f = lambda *z: deltajax.gated_delta(
-        *z[:5], initial_state=z[5], impl="chunked", return_final_state=True,
-        scale=0.125)
-    out, vjp = jax.vjp(f, *(jnp.asarray(t, jnp.float64) for t in args))
-    ref = jax.tree.leaves((out, vjp(tuple(jnp.asarray(c, jnp.float64)
-                                          for c in cts))))
-  errors = [[utils.relative_rms_error(np.asarray(y, np.float64),
-                                      np.asarray(r))
-             for y, r in zip(jax.tree.leaves(_mosaic_vjp(args, cts,
-                                                         backward=names)),
-                             ref)]
-            for names in (("reverse",), mosaic.BACKWARD)]
-  for i, (pallas_err, err) in enumerate(zip(*errors)):
-    assert err < 1.5 * pallas_err, (i, err, pallas_err)
-
-
-def test_default_backward_per_channel(monkeypatch):
-  """By default the backward takes every Mosaic GPU kernel (those of a
-  per-channel gate among them for KDA, the scores' backward too: RESULTS
-  run Z)."""
-  seen = []
-  monkeypatch.setattr(ops, "_mosaic", lambda scale, plan, backward, *x:
-                      seen.append(backward[0]) or (x[0], x[-1]))
-  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
-  s0 = jnp.zeros((1, 1, 64, 64), jnp.float32)
-  for width in (1, 64):
-    a = jnp.zeros((1, 64, 1, width), jnp.float32)
-    ops.gated_delta_mosaic(q, q, q, a, a[..., 0], s0, None, None,
-                           scale=0.125, chunk_size=64)
-  assert seen == [mosaic.BACKWARD, mosaic.BACKWARD]
-
-
-def test_default_schedule():
-  """Three warpgroups for the per-head gate (faster on the H200, RESULTS
-  run P); one per channel, and under x64, which the interpreter cannot
-  trace with three (tests here run the kernels under x64)."""
-  assert ops._default_schedule(per_channel=False) == "specialized"
-  assert ops._default_schedule(per_channel=True) == "one"
-  with jax.enable_x64(True):
-    assert ops._default_schedule(per_channel=False) == "one"
+    assert ops._schedule(per_channel=False) == "one"
 
 
 def _intra_inputs(seed, heads, value_heads, dk, dv, length=192,
@@ -531,91 +476,8 @@ def _intra_inputs(seed, heads, value_heads, dk, dv, length=192,
 # (H, HV, K, V, 16-bit dtype, gate scale): in float16 the gentle chunks'
 # gates fall by about 30 on some channel, factors up to e^15 either side of
 # the midpoint, past float16's e^11.1 (float16 operands gave Inf and NaN).
-_INTRA_CASES = [(1, 1, 64, 128, jnp.bfloat16, 0.05),
-                (1, 2, 128, 64, jnp.bfloat16, 0.05),
+_INTRA_CASES = [(1, 2, 128, 128, jnp.bfloat16, 0.05),
                 (1, 1, 64, 64, jnp.float16, 0.5)]
-
-
-@pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale",
-                         _INTRA_CASES)
-def test_intra_forward_matches_the_pallas_one(heads, value_heads, dk, dv,
-                                              dtype, gate_scale):
-  """The forward's first pass of the scores through the Mosaic GPU kernel
-  (every chunk through its midpoint gate; the Pallas second pass after it
-  where the gate falls steeply) against the Pallas passes in float64 on
-  the same 16-bit q and k: A and P to 1e-4 (their operands in two bfloat16
-  halves), the decayed operands, and g at the chunks' ends to float32
-  accuracy (a's three bfloat16 parts sum to it), with grouped value heads
-  in one case, a below the floor at a gentle chunk's first token and a
-  chunk that is not gentle."""
-  x = _intra_inputs(dk + value_heads, heads, value_heads, dk, dv,
-                    dtype=dtype, gate_scale=gate_scale)
-  config = pallas.core.KernelConfig(interpret=True)
-  shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
-                launch=config.launch("intra", per_channel=True), scale=0.3,
-                heads=value_heads, from_start=(x["q"], x["k"]),
-                to_end=(x["k"],))
-  got = pallas.intra.forward(
-      q=x["q"], k=x["k"], a=x["a"], **shared,
-      done=intra.forward(compat.Mosaic(interpret=True), x["q"], x["k"],
-                         x["a"], heads=value_heads, scale=0.3))
-  with jax.enable_x64(True):
-    wide = lambda y: jnp.asarray(y, jnp.float64)
-    want = pallas.intra.forward(q=wide(x["q"]), k=wide(x["k"]),
-                                a=wide(x["a"]), **shared)
-  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
-  for name, y, ref in zip(("A", "P", "g_end", "Q e^g", "K e^g",
-                           "K e^{g_C - g}"), got, want):
-    assert y.shape == ref.shape, name
-    err = utils.relative_rms_error(np.asarray(y, np.float64),
-                                   np.asarray(ref, np.float64))
-    assert err < {"g_end": 1e-6, "A": 1e-4, "P": 1e-4}.get(name, 5e-3), (
-        name, err)
-
-
-def test_mosaic_scores_in_the_forward():
-  """KDA with ``scores="mosaic"`` (the first pass of the scores in Mosaic
-  GPU) gives the Pallas pass's outputs and gradients up to 16-bit
-  rounding: two chunks, K = V = 64, fla-like gates."""
-  x = utils.random_inputs(11, batch=1, length=128, heads=1, key_dim=64,
-                          value_dim=64, per_channel=True, state_scale=0.1)
-  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
-          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  d_o, d_s = utils.random_cotangents(12, x)
-  cts = (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32))
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, scores=scores))
-            for scores in ops.SCORES]
-  for i, (want, got) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(t, np.float64) for t in (got, want))
-    assert utils.relative_rms_error(got, want) < 5e-3, i
-
-
-@pytest.mark.parametrize("scores", ops.SCORES)
-def test_kept_gates(scores):
-  """KDA's backward on the forward's g and decayed operands
-  (``keep_gates``) gives the gradients of the backward that forms them
-  again: to float32 rounding after the Pallas first pass, which writes g
-  for every chunk then, and up to 16-bit rounding after the Mosaic one
-  (its decayed operands' roundings differ); two value heads on one, K = 64,
-  V = 32 (the Pallas backward's padded widths), a gate that is not gentle
-  in the second chunk."""
-  x = utils.random_inputs(13, batch=1, length=128, heads=1, value_heads=2,
-                          key_dim=64, value_dim=32, per_channel=True,
-                          state_scale=0.1)
-  a = 0.1 * x.a  # gentle, but for the second chunk's first channels
-  a[:, 64 + 5, :, :16] = -60.0
-  x = x._replace(a=a)
-  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
-          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  d_o, d_s = utils.random_cotangents(14, x)
-  cts = (jnp.asarray(d_o, jnp.bfloat16), jnp.asarray(d_s, jnp.float32))
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, scores=scores,
-                                        keep_gates=keep))
-            for keep in (False, True)]
-  for i, (want, got) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(t, np.float64) for t in (got, want))
-    err = utils.relative_rms_error(got, want)
-    assert err < (1e-6 if scores == "pallas" else 5e-3), (i, err)
 
 
 def test_intra_backward_has_no_races():
@@ -627,27 +489,6 @@ def test_intra_backward_has_no_races():
   jax.block_until_ready(intra.backward(
       mg, *(x[n] for n in ops._INTRA_ARGS), scale=0.3))
   assert not compat.races_found()
-
-
-def test_intra_forward_has_no_races_and_fits_twice():
-  """The race detector finds no race in the scores' first pass at K = 128
-  (the second block of key channels loaded into the first's tiles once
-  they are read; the interpreter copies at once, so the wait for the
-  copies out is not checked), and two CTAs fit on a multiprocessor (112
-  KB each with bfloat16 or float16 q and k, the decayed operands' staging
-  tiles in the scores' place; measured from the lowering for CUDA)."""
-  x = _intra_inputs(7, 1, 1, 128, 64)
-  mg = compat.Mosaic(interpret=True, detect_races=True)
-  jax.block_until_ready(intra.forward(mg, x["q"], x["k"], x["a"], heads=1,
-                                      scale=0.3))
-  assert not compat.races_found()
-  shape = lambda dtype: jax.ShapeDtypeStruct((1, 128, 1, 128), dtype)
-  for dtype in (jnp.bfloat16, jnp.float16):
-    size = compat.shared_memory_bytes(
-        lambda a, q, k: intra.forward(compat.Mosaic(interpret=False), q, k,
-                                      a, heads=1, scale=0.3),
-        shape(jnp.float32), shape(dtype), shape(dtype))
-    assert size <= 113 * 1024, (dtype, size)
 
 
 @pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale",
@@ -662,7 +503,7 @@ def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
   is not gentle; impl="mosaic"'s adapter refuses read keys."""
   x = _intra_inputs(dk + dv + value_heads, heads, value_heads, dk, dv,
                     dtype=dtype, gate_scale=gate_scale)
-  config = pallas.core.KernelConfig(interpret=True)
+  config = pallas.Config(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra_backward", per_channel=True),
                 scale=0.3, dkr=None)
@@ -678,45 +519,6 @@ def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
   assert not np.any(np.asarray(got[2])[0, 0, :, :dk // 4])
   with pytest.raises(ValueError, match="no read keys"):
     ops._intra(compat.Mosaic(interpret=True), **x, **shared, kr=x["k"])
-
-
-def test_scan_schedules_give_the_same_results():
-  """The three-warpgroup scan (the interpreter runs its warpgroups and
-  checks that every barrier phase is observed) computes what the one
-  warpgroup scan does, to float32 rounding: outputs, final state and,
-  through the chunk states and Delta it saves (and the reverse pass
-  carrying the transposed state), the gradients. K != V, so that a state
-  transposed the wrong way fails. The forward alone too (no saves: the
-  specialized scan then publishes ``S^T`` and ``Delta^T`` as it carries
-  them)."""
-  args, cts = _contract_inputs(9, length=192, value_heads=1, key_dim=128,
-                               value_dim=64)
-  forward = lambda schedule: mosaic.gated_delta_mosaic(
-      *args, None, None, scale=0.125, chunk_size=64, schedule=schedule)
-  leaves = [jax.tree.leaves((forward("specialized"),
-                             _mosaic_vjp(args, cts, schedule="specialized"))),
-            jax.tree.leaves((forward("one"),
-                             _mosaic_vjp(args, cts, schedule="one")))]
-  for i, (got, want) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
-    assert utils.relative_rms_error(got, want) < 1e-6, i
-  with pytest.raises(ValueError, match="schedule"):
-    _mosaic_vjp(args, cts, schedule="two")
-
-
-def _kernel_names(jaxpr):
-  """The names of the kernels a jaxpr launches, in order (nested jaxprs
-  too)."""
-  names = []
-  for eqn in jaxpr.eqns:
-    name = str(eqn.params.get("name", ""))
-    if name.startswith("deltajax_"):
-      names.append(name)
-    for param in eqn.params.values():
-      inner = getattr(param, "jaxpr", None)
-      if inner is not None:
-        names += _kernel_names(getattr(inner, "jaxpr", inner))
-  return names
 
 
 def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
@@ -735,7 +537,9 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
   compiled for the GPU and in the interpreter (the interpreted tests run
   what ``impl="auto"`` runs on Hopper), at K = V = 32 too: every kernel in
   its Mosaic GPU form, the per-head gate's backward through the
-  three-warpgroup reverse pass and chunk_backward."""
+  three-warpgroup reverse pass and chunk_backward (and no W, output
+  backward or ut_backward kernel), the per-channel gate's through the
+  one-warpgroup reverse pass, ut_backward and the scores' backward."""
   args = _compiled_inputs(monkeypatch, 128, 1, 1, 32, per_channel)
 
   def loss(*x):
@@ -751,193 +555,17 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
 
   compiled = kernels(False)
   assert compiled == kernels(True)
-  if not per_channel:
-    assert {"deltajax_mosaic_reverse_specialized",
-            "deltajax_mosaic_chunk_backward"} <= set(compiled)
-
-
-# (T, K, V, dtype): K = V = 32 in float16 (fla's grid), T not a multiple of
-# the chunk, K != V padded (100 -> 128, 40 -> 64).
-@pytest.mark.parametrize("shape", [(70, 32, 32, jnp.float16),
-                                   (130, 100, 40, jnp.bfloat16)], ids=str)
-def test_default_path_matches_float64(shape):
-  """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
-  ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
-  chunk_backward."""
-  t, dk, dv, dtype = shape
-  _check(utils.random_inputs(t + dk, batch=1, length=t, heads=1, key_dim=dk,
-                             value_dim=dv, gate_scale=0.25, state_scale=0.1),
-         dtype=dtype, x64=False)
-
-
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_fused_grads_by_default_where_fused_reverse_runs(per_channel,
-                                                        monkeypatch):
-  """Compiled for the GPU, the default backward of the per-head gate runs
-  :func:`chunk_backward.chunk_backward` (``fused_grads`` None: on where
-  ``fused_reverse`` is); the per-channel gate's does not."""
-  args = _compiled_inputs(monkeypatch, 128, 1, 1, 64, per_channel)
-
-  def loss(*x):
-    o, final = mosaic.gated_delta_mosaic(*x, None, None, scale=0.1,
-                                         chunk_size=64)
-    return o.astype(jnp.float32).sum() + final.sum()
-
-  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*args))
-  assert ("chunk_backward" in jaxpr) == (not per_channel)
-
-
-def test_fused_reverse_agrees_with_the_unfused_one():
-  """The three-warpgroup reverse pass that forms W and dDelta_local itself
-  (``fused_reverse``) gives the unfused backward's gradients to float32
-  rounding (the same 16-bit roundings of W and P), over three chunks with
-  K != V; one CTA (the interpreter can stall with several three-warpgroup
-  CTAs on two cores). Refused without its kernels or schedule."""
-  args, cts = _contract_inputs(11, length=192, value_heads=1, key_dim=128,
-                               value_dim=64)
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=fused,
-                                        fused_grads=False))
-            for fused in (True, False)]
-  for i, (got, want) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
-    assert utils.relative_rms_error(got, want) < 1e-6, i
-  for options in (dict(schedule="one"), dict(backward=("reverse",))):
-    with pytest.raises(ValueError, match="fused_reverse needs"):
-      _mosaic_vjp(args, cts, fused_reverse=True, **options)
-
-
-@pytest.mark.parametrize("pieces,key_dim", [(1, 64), (2, 64), (1, 128)])
-def test_fused_grads_agree_with_the_two_kernels(pieces, key_dim):
-  """The output's backward and ut_backward as one kernel
-  (``fused_grads``: :func:`chunk_backward.chunk_backward`, Delta and
-  dDelta formed again, neither saved by the forward nor written by the
-  reverse pass) give the two kernels' gradients (with a float32 share of dk
-  from the output's: ``narrow_dk=False``) to float32 rounding, over four
-  chunks, whole or in two pieces, K = V and K != V (dq and dW then in
-  tiles of their own); one CTA a pass (the interpreter can stall with
-  several three-warpgroup CTAs on two cores). Refused where it does not
-  run."""
-  args, cts = _contract_inputs(11, length=256, value_heads=1,
-                               key_dim=key_dim, value_dim=64)
-  leaves = [jax.tree.leaves(_mosaic_vjp(args, cts, fused_reverse=True,
-                                        pieces=pieces, **options))
-            for options in (dict(fused_grads=True),
-                            dict(fused_grads=False, narrow_dk=False))]
-  for i, (got, want) in enumerate(zip(*leaves)):
-    got, want = (np.asarray(x, np.float64) for x in (got, want))
-    assert utils.relative_rms_error(got, want) < 1e-6, i
-  for options in (dict(fused_reverse=False), dict(schedule="one")):
-    with pytest.raises(ValueError, match="fused_grads needs"):
-      _mosaic_vjp(args, cts, fused_grads=True, **options)
-
-
-def test_fused_grads_match_float64():
-  """``fused_grads`` with grouped value heads (dq and dk per value head in
-  16 bits, summed in float32) and K padded (48 -> 64): every gradient
-  within fla's tolerances of float64."""
-  args, cts = _contract_inputs(12, length=128, value_heads=2, key_dim=48,
-                               value_dim=64)
-  ref = _float64_grads(args, cts)
-  got = _mosaic_vjp(args, cts, fused_reverse=True, fused_grads=True)[1]
-  for name, x, want in zip(("dq", "dk", "dv", "da", "db", "dh0"), got, ref):
-    err = utils.relative_rms_error(np.asarray(x, np.float64),
-                                   np.asarray(want, np.float64))
-    assert err < TOLERANCES[name], (name, err)
-
-
-def test_backward_kernels_agree_with_the_pallas_ones():
-  """Each backward kernel in Mosaic GPU alone, and all of them, against the
-  Pallas backward on the same saved values (``backward=()``): the gradients
-  agree to their 16-bit roundings; unknown kernel names are refused."""
-  args, cts = _contract_inputs(4, length=128, value_heads=2, key_dim=64,
-                               value_dim=128)
-  grads = lambda backward: _mosaic_vjp(args, cts, backward=backward)[1]
-  want = grads(())
-  for backward in [*((name,) for name in mosaic.BACKWARD), mosaic.BACKWARD]:
-    for name, got, ref in zip(("dq", "dk", "dv", "da", "db", "dh0"),
-                              grads(backward), want):
-      err = utils.relative_rms_error(np.asarray(got, np.float64),
-                                     np.asarray(ref, np.float64))
-      assert err < 1e-2, (backward, name, err)
-  with pytest.raises(ValueError, match="unknown kernels"):
-    grads(("scan",))
-
-
-def test_ut_backward_without_w_and_u_agrees_with_the_pallas_one():
-  """The Mosaic ut_backward forms dM from ``Z = dX_v V^T`` and ``dX_k K^T``
-  (W and U never formed) where the Pallas one reads W and U: over five
-  chunks, where the state's share of dM matters (dropping ``dX_k W^T``
-  takes da and db to 2e-3), the gradients agree to their roundings."""
-  args, cts = _contract_inputs(4, length=320, value_heads=2, key_dim=64,
-                               value_dim=128)
-  grads = lambda backward: _mosaic_vjp(args, cts, backward=backward)[1]
-  names = ("dq", "dk", "dv", "da", "db", "dh0")
-  bounds = dict(dq=1e-6, dk=2e-3, dv=1e-6, da=6e-4, db=6e-4, dh0=1e-6)
-  for name, got, want in zip(names, grads(("ut",)), grads(())):
-    err = utils.relative_rms_error(np.asarray(got, np.float64),
-                                   np.asarray(want, np.float64))
-    assert err < bounds[name], (name, err)
-
-
-def test_narrow_dk_matches_float64():
-  """The output's share of dk handed on in bf16 (``narrow_dk``, on by
-  default): every gradient within fla's tolerances of float64, dk changed
-  by the extra rounding (the option runs); it needs the two kernels in
-  Mosaic GPU."""
-  args, cts = _contract_inputs(8, length=256, value_heads=2, key_dim=128,
-                               value_dim=128)
-  ref = _float64_grads(args, cts)
-  grads = lambda **options: _mosaic_vjp(args, cts, **options)[1]
-  names = ("dq", "dk", "dv", "da", "db", "dh0")
-  got = dict(zip(names, grads()))
-  for name, want in zip(names, ref):
-    err = utils.relative_rms_error(np.asarray(got[name], np.float64),
-                                   np.asarray(want, np.float64))
-    assert err < TOLERANCES[name], name
-  assert np.any(got["dk"] != grads(narrow_dk=False)[1])
-  with pytest.raises(ValueError, match="narrow_dk needs"):
-    grads(narrow_dk=True, backward=("output", "reverse"))
-
-
-def test_inverses_agree():
-  """The forward with the Mosaic GPU UT inverse against the default (the
-  Pallas one): outputs and final state agree to their 16-bit roundings;
-  an unknown inverse is refused."""
-  args, _ = _contract_inputs(6, length=128, value_heads=2, key_dim=64,
-                             value_dim=64)
-  run = lambda inverse: mosaic.gated_delta_mosaic(
-      *args, None, None, scale=0.125, chunk_size=64, inverse=inverse)
-  for got, want in zip(run("mosaic"), run("pallas")):
-    err = utils.relative_rms_error(np.asarray(got, np.float64),
-                                   np.asarray(want, np.float64))
-    assert err < 1e-2, err
-  with pytest.raises(ValueError, match="inverse"):
-    run("triton")
-
-
-@pytest.mark.parametrize("keys,beta", [("aligned", 1.0), ("aligned", 1.99),
-                                       ("random", 1.5)])
-def test_inverse_matches_float64(keys, beta):
-  """T against float64 to its bf16 rounding: identical keys without decay
-  (where a power series of A would cancel catastrophically), and random
-  keys with a decaying gate."""
-  c = ut.C
-  rng = np.random.default_rng(3)
-  k = rng.standard_normal((1 if keys == "aligned" else c, 64))
-  k = np.tile(k, (c // len(k), 1))
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  k = np.asarray(jnp.asarray(k, jnp.bfloat16), np.float64)
-  g = (np.zeros(c) if keys == "aligned"
-       else np.cumsum(-rng.uniform(0.0, 0.1, c)))
-  b = np.full(c, beta) if keys == "aligned" else rng.uniform(0.0, 2.0, c)
-  a = np.tril(np.exp(g[:, None] - g[None, :]) * (k @ k.T), -1)
-  expected = np.linalg.inv(np.eye(c) + b[:, None] * a)
-  t = ut.inverse(compat.Mosaic(interpret=True),
-                 jnp.asarray(k[None, :, None], jnp.bfloat16),
-                 jnp.asarray(g[None, None], jnp.float32),
-                 jnp.asarray(b[None, None], jnp.float32), heads=1)
-  got = np.asarray(t[0, 0], np.float64)
-  assert np.max(np.abs(got - expected)) < 2 ** -8 * np.max(np.abs(expected))
+  per_head = {"deltajax_mosaic_reverse_specialized",
+              "deltajax_mosaic_chunk_backward"}
+  unfused = {"deltajax_mosaic_w", "deltajax_mosaic_reverse",
+             "deltajax_mosaic_ut_backward"}
+  if per_channel:
+    assert unfused | {"deltajax_mosaic_intra_backward"} <= set(compiled)
+    assert not per_head & set(compiled)
+  else:
+    assert per_head <= set(compiled)
+    assert not (unfused | {"deltajax_mosaic_output_backward"}) & set(
+        compiled)
 
 
 @pytest.mark.parametrize("option,message", [
@@ -959,160 +587,127 @@ def test_mosaic_refuses_what_it_lacks(option, message):
                          impl="mosaic", **option)
 
 
-def test_mosaic_refuses_what_it_lacks_per_channel():
-  """Gated DeltaNet-2's gates; a per-channel gate in the scan's schedules
-  other than "one" or with the Mosaic GPU UT inverse."""
+def test_mosaic_refuses_gdn2():
+  """Gated DeltaNet-2's gates."""
   with pytest.raises(ValueError, match="no 'gdn2' gate"):
     deltajax.registry.select("mosaic", gate="gdn2", length=64, chunk_size=64,
                              packed=False, grouped=False)
-  x = utils.random_inputs(0, batch=1, length=64, heads=1, key_dim=64,
-                          value_dim=64, per_channel=True)
-  args = (*(jnp.asarray(t, jnp.bfloat16) for t in x[:3]),
-          *(jnp.asarray(t, jnp.float32) for t in x[3:]))
-  for option in (dict(schedule="specialized"), dict(inverse="mosaic")):
-    with pytest.raises(ValueError, match="per-channel gate runs schedule"):
-      mosaic.gated_delta_mosaic(*args, None, None, scale=0.125,
-                                chunk_size=64, **option)
+
+
+def _lowerings(schedule):
+  """``[(fn, abstract args)]``: the kernels of ``schedule``'s path, each
+  at K = V = 128 (two V blocks) with grouped value heads, and at the other
+  widths where they differ."""
+  mg = compat.Mosaic(interpret=False)
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  f32 = lambda *s: shape(*s, dtype=jnp.float32)
+  keys, vec = shape(1, 128, 1, 128), f32(1, 2, 128)
+  values, chunk_t = shape(1, 128, 2, 128), shape(1, 2, 128, 64)
+  states = shape(1, 2, 2, 128, 128)
+  decayed = lambda dk: shape(1, 128, 2, dk)
+  scan_args = (keys, keys, values, chunk_t, vec, vec, f32(1, 2, 128, 128))
+  forward = lambda save, pieces=None: lambda *x: scan.forward(
+      mg, *x, scale=0.1, save=save, schedule=schedule, pieces=pieces)
+  in_pieces = lambda local: (scan.Pieces(1, 1, start=1) if local
+                             else scan.Pieces(2, 1))
+  kernels = [
+      (forward(True), scan_args),
+      (forward(False), scan_args),
+      # The scan in two pieces, and the map pass of the first.
+      (forward(True, scan.Pieces(2, 1)),
+       (*scan_args[:-1], f32(2, 2, 128, 128))),
+      (lambda *x: scan.piece_maps(mg, *x, pieces=scan.Pieces(1, 1),
+                                  schedule=schedule),
+       (keys, values, chunk_t, vec, vec))]
+  if schedule == "specialized":
+    reverse_args = (keys, keys, chunk_t, vec, vec, values)
+    return kernels + [
+        # The reverse pass forming W and dDelta_local, whole and in two
+        # pieces (and the second's local pass).
+        (lambda *x: reverse.specialized(mg, *x, scale=0.1),
+         (*reverse_args, f32(1, 2, 128, 128))),
+        *((lambda *x, local=local: reverse.specialized(
+            mg, *x, scale=0.1, local=local, pieces=in_pieces(local)),
+           (*reverse_args, f32(2 - local, 2, 128, 128)))
+          for local in (False, True)),
+        # The chunk-parallel backward (K, V in {64, 128}; 226 KB of shared
+        # memory at K = V = 128).
+        *((lambda *x: chunk_backward.chunk_backward(mg, *x, scale=0.1),
+           (shape(1, 128, 1, dk), shape(1, 128, 1, dk), shape(1, 128, 2, dv),
+            vec, vec, chunk_t, shape(1, 2, 2, dk, dv),
+            shape(1, 2, 2, dk, dv), shape(1, 128, 2, dv)))
+          for dk, dv in ((64, 64), (128, 128), (128, 64), (64, 128)))]
+  reverse_args = (keys, keys, values, vec, values, f32(1, 128, 2, 128))
+  return kernels + [
+      # Per channel (K = 64 and 128, the decays of the state's rows a [K]
+      # vector of the row layout): the scan on Q e^g, K e^g, v, T, g at the
+      # chunks' ends, beta, the state, K e^{g_C - g} and P; its map pass.
+      *((lambda *x: scan.forward(mg, *x[:7], scale=0.1, save=True,
+                                 channel=x[7:]),
+         (decayed(dk), decayed(dk), values, chunk_t, f32(1, 2, 2, dk), vec,
+          f32(1, 2, dk, 128), decayed(dk), f32(1, 2, 128, 64)))
+        for dk in (64, 128)),
+      *((lambda *x: scan.piece_maps(mg, *x[:5], pieces=scan.Pieces(1, 1),
+                                    channel=x[5:]),
+         (decayed(dk), values, chunk_t, f32(1, 2, 2, dk), vec, decayed(dk),
+          f32(1, 2, 128, 64)))
+        for dk in (64, 128)),
+      (lambda *x: output.output_backward(mg, *x, scale=0.1),
+       (keys, keys, vec, states, values, values)),
+      # W per head and per channel (g [B, HV, T, K]).
+      (lambda *x: ut.w(mg, *x, heads=2), (keys, vec, vec, chunk_t)),
+      *((lambda *x: ut.w(mg, *x, heads=2),
+         (shape(1, 128, 1, dk), f32(1, 2, 128, dk), vec, chunk_t))
+        for dk in (64, 128)),
+      # ut_backward per head, dk_out 16-bit as the output's backward
+      # writes it, and per channel.
+      (lambda *x: ut_backward.ut_backward(mg, *x),
+       (keys, values, vec, vec, chunk_t, states, states, values, values,
+        values, vec)),
+      *((lambda *x: ut_backward.ut_backward(mg, *x),
+         (shape(1, 128, 1, dk), values, f32(1, 2, 128, dk), vec, chunk_t,
+          shape(1, 2, 2, dk, 128), shape(1, 2, 2, dk, 128), values, values))
+        for dk in (64, 128)),
+      # The scores' backward per channel: q, k, g, b, a, S, dO, Delta, dM,
+      # dk_in, dg_in.
+      *((lambda *x: intra.backward(mg, *x, scale=0.1),
+         (shape(1, 128, 1, dk), shape(1, 128, 1, dk), f32(1, 2, 128, dk),
+          vec, f32(1, 128, 2, dk), shape(1, 2, 2, dk, 128), values, values,
+          f32(1, 2, 128, 64), f32(1, 128, 2, dk), f32(1, 2, 128, dk)))
+        for dk in (64, 128)),
+      # The per-channel reverse pass: Q e^g, K e^{g_C - g}, W, g at the
+      # chunks' ends, dO, dDelta_local, dS.
+      *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),
+         (decayed(dk), decayed(dk), decayed(dk), f32(1, 2, 2, dk), values,
+          f32(1, 128, 2, 128), f32(1, 2, dk, 128)))
+        for dk in (64, 128)),
+      # The per-head reverse pass in two pieces, and the second's local
+      # pass; whole.
+      *((lambda *x, local=local: reverse.backward(
+          mg, *x, scale=0.1, local=local, pieces=in_pieces(local)),
+         (*reverse_args, f32(2 - local, 2, 128, 128)))
+        for local in (False, True)),
+      (lambda *x: reverse.backward(mg, *x, scale=0.1),
+       (*reverse_args, f32(1, 2, 128, 128)))]
 
 
 @pytest.mark.parametrize("schedule", ["one", "specialized"])
 def test_kernels_lower_for_the_gpu(schedule):
-  """The kernels lower to Mosaic GPU for CUDA here, without a GPU: Mosaic
-  GPU's layout inference and wgmma operand checks run (what the interpreter
-  skips); grouped value heads, K = V = 128 with two V blocks, the saved
-  states, the per-channel scan and reverse pass ("one": K = 64 and 128,
-  their decays of the state's rows a [K] vector of the row layout), the
-  backward's kernels (with and without narrow_dk; the reverse pass as the
-  schedule takes it), the last of them under vmap too. Lowering also checks
-  that each kernel's shared memory fits in 227 KB (the per-channel scan at
-  K = 128: 218 KB, the per-channel reverse pass 217 KB, the per-channel
-  ut_backward 111 KB, the scores' backward 200 KB with grouped value
-  heads, chunk_backward 226 KB). Under ``jax_enable_x64``, as the other tests run
+  """The kernels of each schedule's path lower to Mosaic GPU for CUDA
+  here, without a GPU: Mosaic GPU's layout inference and wgmma operand
+  checks run (what the interpreter skips). Lowering also checks that each
+  kernel's shared memory fits in 227 KB (the per-channel scan at K = 128:
+  218 KB, the per-channel reverse pass 217 KB, the per-channel ut_backward
+  111 KB, the scores' backward 200 KB with grouped value heads,
+  chunk_backward 226 KB). Under ``jax_enable_x64``, as the other tests run
   them: an array the wrappers create (the map pass's identity, say) must
-  not come out float64."""
-  mg = compat.Mosaic(interpret=False)
-  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
-  keys, vec = shape(1, 128, 1, 128), shape(1, 2, 128, dtype=jnp.float32)
-  forward = lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
-                                    schedule=schedule)
-  # Per channel: Q e^g, K e^g and K e^{g_C - g} per value head, g at the
-  # chunks' ends, P.
-  per_channel = lambda *x: scan.forward(mg, *x[:7], scale=0.1, save=True,
-                                        channel=x[7:])
-  decayed = lambda dk: shape(1, 128, 2, dk)
-  f32 = lambda *s: shape(*s, dtype=jnp.float32)
-  unsaved = lambda *x: scan.forward(mg, *x, scale=0.1, save=False,
-                                    schedule=schedule)
-  scan_args = (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec,
-               vec, shape(1, 2, 128, 128, dtype=jnp.float32))
-  for fn, args in [
-      (lambda *x: ut.inverse(mg, *x, heads=2), (keys, vec, vec)),
-      (forward, scan_args),
-      (unsaved, scan_args),
-      # The states saved without Delta (for chunk_backward).
-      (lambda *x: scan.forward(mg, *x, scale=0.1, save=True, deltas=False,
-                               schedule=schedule), scan_args),
-      # The scan in two pieces, and the map pass of the first.
-      (lambda *x: scan.forward(mg, *x, scale=0.1, save=True,
-                               schedule=schedule, pieces=scan.Pieces(2, 1)),
-       (keys, keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec, vec,
-        shape(2, 2, 128, 128, dtype=jnp.float32))),
-      (lambda *x: scan.piece_maps(mg, *x, pieces=scan.Pieces(1, 1),
-                                  schedule=schedule),
-       (keys, shape(1, 128, 2, 128), shape(1, 2, 128, 64), vec, vec)),
-      *((per_channel, (decayed(dk), decayed(dk), shape(1, 128, 2, 128),
-                       shape(1, 2, 128, 64), f32(1, 2, 2, dk), vec,
-                       f32(1, 2, dk, 128), decayed(dk), f32(1, 2, 128, 64)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      *((lambda *x: scan.piece_maps(mg, *x[:5], pieces=scan.Pieces(1, 1),
-                                    channel=x[5:]),
-         (decayed(dk), shape(1, 128, 2, 128), shape(1, 2, 128, 64),
-          f32(1, 2, 2, dk), vec, decayed(dk), f32(1, 2, 128, 64)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      *((lambda *x, narrow=narrow: output.output_backward(
-          mg, *x, scale=0.1, narrow_dk=narrow),
-         (keys, keys, vec, shape(1, 2, 2, 128, 128), shape(1, 128, 2, 128),
-          shape(1, 128, 2, 128))) for narrow in (False, True)),
-      *((lambda *x, v=values: ut.w_u(mg, *x, values=v),
-         (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64)))
-        for values in (True, False)),
-      # W per channel ("one"): g [B, HV, T, K].
-      *((lambda *x: ut.w_u(mg, *x, values=False),
-         (shape(1, 128, 1, dk), shape(1, 128, 2, 128), f32(1, 2, 128, dk),
-          vec, shape(1, 2, 128, 64)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      # ut_backward with a float32 and a bfloat16 dk_out (narrow_dk).
-      *((lambda *x: ut_backward.ut_backward(mg, *x),
-         (keys, shape(1, 128, 2, 128), vec, vec, shape(1, 2, 128, 64),
-          shape(1, 2, 2, 128, 128), shape(1, 2, 2, 128, 128),
-          shape(1, 128, 2, 128), shape(1, 128, 2, 128),
-          shape(1, 128, 2, 128, dtype=dtype), vec))
-        for dtype in (jnp.float32, jnp.bfloat16)),
-      # The per-channel ut_backward ("one"): g [B, HV, T, K].
-      *((lambda *x: ut_backward.ut_backward(mg, *x),
-         (shape(1, 128, 1, dk), shape(1, 128, 2, 128), f32(1, 2, 128, dk),
-          vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, 128),
-          shape(1, 2, 2, dk, 128), shape(1, 128, 2, 128),
-          shape(1, 128, 2, 128)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      # The scores' first pass per channel ("one"): a, q, k.
-      *((lambda a, q, k: intra.forward(mg, q, k, a, heads=2, scale=0.1),
-         (f32(1, 128, 2, dk), shape(1, 128, 1, dk), shape(1, 128, 1, dk)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      # The scores' backward per channel ("one"): q, k, g, b, a, S, dO,
-      # Delta, dM, dk_in, dg_in.
-      *((lambda *x: intra.backward(mg, *x, scale=0.1),
-         (shape(1, 128, 1, dk), shape(1, 128, 1, dk), f32(1, 2, 128, dk),
-          vec, f32(1, 128, 2, dk), shape(1, 2, 2, dk, 128),
-          shape(1, 128, 2, 128), shape(1, 128, 2, 128), f32(1, 2, 128, 64),
-          f32(1, 128, 2, dk), f32(1, 2, 128, dk)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      # The per-channel reverse pass ("one"): Q e^g, K e^{g_C - g}, g at
-      # the chunks' ends.
-      *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),
-         (decayed(dk), decayed(dk), decayed(dk), f32(1, 2, 2, dk),
-          shape(1, 128, 2, 128), f32(1, 128, 2, 128), f32(1, 2, dk, 128)))
-        for dk in ((64, 128) if schedule == "one" else ())),
-      # The three-warpgroup reverse pass forming W and dDelta_local.
-      *((lambda *x: reverse.specialized(mg, *x, scale=0.1),
-         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
-          shape(1, 2, 128, 128, dtype=jnp.float32)))
-        for _ in ((0,) if schedule != "one" else ())),
-      # Without dDelta, and the chunk-parallel backward in one kernel
-      # (K, V in {64, 128}; 226 KB of shared memory at K = V = 128).
-      *((lambda *x: reverse.specialized(mg, *x, scale=0.1, deltas=False),
-         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
-          shape(1, 2, 128, 128, dtype=jnp.float32)))
-        for _ in ((0,) if schedule != "one" else ())),
-      *((lambda *x: chunk_backward.chunk_backward(mg, *x, scale=0.1),
-         (shape(1, 128, 1, dk), shape(1, 128, 1, dk), shape(1, 128, 2, dv),
-          vec, vec, shape(1, 2, 128, 64), shape(1, 2, 2, dk, dv),
-          shape(1, 2, 2, dk, dv), shape(1, 128, 2, dv)))
-        for dk, dv in (((64, 64), (128, 128), (128, 64), (64, 128))
-                       if schedule != "one" else ())),
-      # The reverse passes in two pieces, and the second's local pass.
-      *((lambda *x, local=local: reverse.specialized(
-          mg, *x, scale=0.1, local=local,
-          pieces=scan.Pieces(1, 1, start=1) if local else scan.Pieces(2, 1)),
-         (keys, keys, shape(1, 2, 128, 64), vec, vec, shape(1, 128, 2, 128),
-          shape(2 - local, 2, 128, 128, dtype=jnp.float32)))
-        for local in ((False, True) if schedule != "one" else ())),
-      *((lambda *x, local=local: reverse.backward(
-          mg, *x, scale=0.1, transposed=schedule != "one", local=local,
-          pieces=scan.Pieces(1, 1, start=1) if local else scan.Pieces(2, 1)),
-         (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
-          shape(1, 128, 2, 128, dtype=jnp.float32),
-          shape(2 - local, 2, 128, 128, dtype=jnp.float32)))
-        for local in (False, True)),
-      # The reverse pass carrying dS^T with the transposed scans.
-      (lambda *x: reverse.backward(mg, *x, scale=0.1,
-                                   transposed=schedule != "one"),
-       (keys, keys, shape(1, 128, 2, 128), vec, shape(1, 128, 2, 128),
-        shape(1, 128, 2, 128, dtype=jnp.float32),
-        shape(1, 2, 128, 128, dtype=jnp.float32)))]:
+  not come out float64. The last kernel under vmap too (impl="auto" runs
+  them so on Hopper): a grid axis more."""
+  kernels = _lowerings(schedule)
+  for fn, args in kernels:
     with jax.enable_x64(True):
       jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  # Under vmap (impl="auto" takes these kernels on Hopper): a grid axis more.
+  fn, args = kernels[-1]
   batched = [jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in args]
   jax.jit(jax.vmap(fn)).trace(*batched).lower(lowering_platforms=("cuda",))
 
@@ -1121,10 +716,10 @@ def test_ut_backward_shared_memory():
   """At K = V = 128 two CTAs of ut_backward fit on an H200 multiprocessor
   (228 KB, 1 KB of it reserved per CTA: 113 KB each) per channel, the
   gate's tile loaded after the value blocks, in the place of their tiles
-  (103 KB with dM staged in 16 bits; 143 KB beside them), and per head as
-  before: 97 KB with bfloat16 dk_out and dk, 121 KB with float32 ones
-  (grouped value heads); so do two of the scores' backward. Measured from
-  the lowering for CUDA."""
+  (103 KB with dM staged in 16 bits; 143 KB beside them), and per head:
+  97 KB with bfloat16 dk_out and dk, 105 KB with grouped value heads'
+  float32 dk; so do two of the scores' backward. Measured from the
+  lowering for CUDA."""
   mg = compat.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   fn = lambda *x: ut_backward.ut_backward(mg, *x)
@@ -1140,7 +735,7 @@ def test_ut_backward_shared_memory():
       fn, shape(1, 128, heads, 128), values, vec, vec, *chunks,
       shape(1, 128, 2, 128, dtype=dtype), vec)
   assert per_head(2, jnp.bfloat16) <= 99_352
-  assert per_head(1, jnp.float32) <= 123_928
+  assert per_head(1, jnp.bfloat16) <= 107_544
   # The scores' backward per channel (64 key channels a CTA, its value
   # blocks' tiles then dk_in and dg_in in one region): 111 KB with 16-bit
   # dq and dk, two CTAs; 127 KB with grouped value heads' float32 ones;

@@ -105,21 +105,8 @@ def _block_inverse(a):
                     for j in range(n)] for i in range(n)])
 
 
-def _doubling_inverse(a, dot):
-  """``(I + a)^-1`` from :func:`ut.invert_by_doubling` with the products
-  ``dot``."""
-  return np.asarray(ut.invert_by_doubling(jnp.asarray(a), dot))
-
-
-# Each method of the UT inverse as a function of the strictly lower a, its
-# products exact (as interpreted).
-INVERSES = {"blocks": _block_inverse,
-            "doubling": lambda a: _doubling_inverse(a, core.Dot(True))}
-
-
-@pytest.mark.parametrize("method", INVERSES)
 @pytest.mark.parametrize("beta", [1.0, 1.99])
-def test_inverse_is_stable_for_aligned_keys(beta, method):
+def test_inverse_is_stable_for_aligned_keys(beta):
   """Identical keys: a power series of A would cancel catastrophically."""
   c = 64
   rng = np.random.default_rng(3)
@@ -127,13 +114,12 @@ def test_inverse_is_stable_for_aligned_keys(beta, method):
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   a = np.tril(beta * (k @ k.T), -1)
   expected = np.linalg.inv(np.eye(c) + a)
-  got = INVERSES[method](a.astype(np.float32))
+  got = _block_inverse(a.astype(np.float32))
   assert np.max(np.abs(got - expected)) < 1e-4 * np.max(np.abs(expected))
 
 
-@pytest.mark.parametrize("method", INVERSES)
 @pytest.mark.parametrize("c", [16, 32, 128])
-def test_inverse_with_decay_in_float64(c, method):
+def test_inverse_with_decay_in_float64(c):
   """Random keys and b, a strong decay; chunk sizes the other tests skip."""
   rng = np.random.default_rng(c)
   k = rng.standard_normal((c, 24))
@@ -142,17 +128,8 @@ def test_inverse_with_decay_in_float64(c, method):
   a = np.tril(rng.uniform(0, 2, (c, 1)) * (k @ k.T)
               * np.exp(np.minimum(g[:, None] - g[None, :], 0)), -1)
   with jax.enable_x64(True):
-    got = INVERSES[method](a)
+    got = _block_inverse(a)
   np.testing.assert_allclose(got @ (np.eye(c) + a), np.eye(c), atol=1e-13)
-
-
-def test_inverse_refuses_an_unknown_method():
-  k = jnp.zeros((1, 16, 1, 16), jnp.float32)
-  g = jnp.zeros((1, 1, 16), jnp.float32)
-  with pytest.raises(ValueError, match="method must be one of"):
-    ut.inverse(k=k, g=g, b=g, cuts=None, a=None, heads=1, chunk_size=16,
-               launch=core.Launch(method="substitution"), interpret=True,
-               dot=core.Dot(True))
 
 
 def test_split_product_keeps_16_mantissa_bits():
@@ -461,7 +438,7 @@ def test_kernels_lower_for_triton(dtype, features, gate):
   if features != "plain":
     extra = [jax.ShapeDtypeStruct((bsz, t, hv, width), jnp.bool_),
              jax.ShapeDtypeStruct((t // c,), jnp.int32)]
-  config = pallas.KernelConfig(interpret=False)
+  config = pallas.Config(interpret=False)
 
   def loss(*x):
     o, final = pallas.gated_delta_pallas(*x[:6], *x[6:], scale=0.1,
@@ -486,8 +463,7 @@ def test_kernels_lower_for_triton(dtype, features, gate):
 def test_pallas_blocks_of_channels_change_nothing(per_channel):
   """The kernels that work by blocks of key channels (ut_backward, the intra
   kernels) or of value columns give, with blocks of 16, the outputs and
-  gradients of one block, float64, with a cut and packed sequences; the UT
-  inverse by recursive doubling gives those of substitution."""
+  gradients of one block, float64, with a cut and packed sequences."""
   bsz, t, h, d, c = 1, 64, 2, 48, 16
   x = utils.random_inputs(7, batch=bsz, length=t, heads=h, key_dim=d,
                           value_dim=32, per_channel=per_channel)
@@ -497,11 +473,10 @@ def test_pallas_blocks_of_channels_change_nothing(per_channel):
   chunk_seq = jnp.asarray([0, 0, 1, 1], jnp.int32)
   s0 = np.random.default_rng(7).standard_normal((2, h, d, 32))
   small = core.Launch(num_warps=4, num_stages=1, block_v=16, block_k=16)
-  blocked = core.KernelConfig(
+  blocked = core.Config(
       interpret=True, forward_scan=small, backward_scan=small,
       ut_backward=small, intra=small, intra_backward=small,
-      channel=(("ut_backward", small),),
-      inverse=core.Launch(num_warps=4, method="doubling"))
+      channel=(("ut_backward", small),))
 
   def loss(config, *args):
     o, final = pallas.gated_delta_pallas(
@@ -513,7 +488,7 @@ def test_pallas_blocks_of_channels_change_nothing(per_channel):
                  for v in (x.q, x.k, x.v, a, x.b, s0))
     grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(1, 7))),
                    static_argnums=0)
-    ref = grad(core.KernelConfig(interpret=True), *args)
+    ref = grad(core.Config(interpret=True), *args)
     got = grad(blocked, *args)
   for name, r, g in zip(("loss", "grads"), ref, got):
     for r_i, g_i in zip(jax.tree.leaves(r), jax.tree.leaves(g)):

@@ -39,7 +39,7 @@ def _token(x, t=0):
 
 
 def _reference(state, q, k, v, a, b):
-  """The seed's reference (float64 numpy) for one token; ``q`` scaled."""
+  """The recurrence (float64 numpy) for one token; ``q`` scaled."""
   groups = v.shape[1] // q.shape[1]
   q, k = (np.repeat(y, groups, axis=1)[:, None] for y in (q, k))
   o, s = reference.ref_a(q * q.shape[-1] ** -0.5, k, v[:, None],

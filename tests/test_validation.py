@@ -1,5 +1,6 @@
 """Bad input raises ValueError or TypeError with a message that says what is wrong."""
 
+import dataclasses
 import re
 
 import jax
@@ -416,3 +417,117 @@ def test_value_checks_are_off_outside_value_checks(name):
   assert not jax.make_jaxpr(fn)(*args).effects
   with deltajax.value_checks():
     assert jax.make_jaxpr(lambda *x: fn(*x))(*args).effects
+
+
+# Each backend's config validates its fields when built: (constructor,
+# keyword arguments, the field the ValueError names).
+BAD_CONFIGS = {
+    "mosaic pieces 0": (lambda: deltajax.mosaic.Config(pieces=0),
+                        r"Config\.pieces must be None or a positive int"),
+    "mosaic pieces float": (lambda: deltajax.mosaic.Config(pieces=2.0),
+                            r"Config\.pieces"),
+    "mosaic pieces bool": (lambda: deltajax.mosaic.Config(pieces=True),
+                           r"Config\.pieces"),
+    "pallas precision": (lambda: deltajax.pallas.Config(precision="tf16"),
+                         r"Config\.precision must be one of"),
+    "pallas interpret": (lambda: deltajax.pallas.Config(interpret="yes"),
+                         r"Config\.interpret"),
+    "pallas launch": (lambda: deltajax.pallas.Config(inverse=4),
+                      r"Config\.inverse must be a Launch"),
+    "pallas channel": (lambda: deltajax.pallas.Config(
+        channel=(("scan", deltajax.pallas.Launch()),)), r"Config\.channel"),
+    "launch warps": (lambda: deltajax.pallas.Launch(num_warps=3),
+                     r"Launch\.num_warps must be a power of two"),
+    "launch stages": (lambda: deltajax.pallas.Launch(num_stages=0),
+                      r"Launch\.num_stages"),
+    "launch block": (lambda: deltajax.pallas.Launch(block_v=8),
+                     r"Launch\.block_v must be None or a power of two"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CONFIGS)
+def test_configs_validate_their_fields(name):
+  build, message = BAD_CONFIGS[name]
+  with pytest.raises(ValueError, match=message):
+    build()
+
+
+def test_configs_are_frozen_and_hashable():
+  """Static under ``jit``: equal configs hash alike; fields cannot be set."""
+  for config in (deltajax.mosaic.Config(pieces=2), deltajax.pallas.Config(
+      inverse=deltajax.pallas.Launch(num_warps=2))):
+    assert hash(config) == hash(type(config)(**vars(config)))
+    with pytest.raises(AttributeError):
+      config.interpret = True
+  assert deltajax.mosaic.Config(pieces=np.int64(4)).pieces == 4
+
+
+@pytest.mark.parametrize("impl,config,message", [
+    ("pallas", deltajax.mosaic.Config(),
+     r"config=Config\(pieces=None\) is impl='mosaic''s; impl='pallas' takes "
+     r"deltajax\.pallas\.core\.Config"),
+    ("mosaic", deltajax.pallas.Config(), r"is impl='pallas''s; "
+     r"impl='mosaic' takes deltajax\.mosaic\.ops\.Config"),
+    ("chunked", deltajax.pallas.Config(), r"impl='chunked' takes no config"),
+    ("auto", {"pieces": 2}, r"config must be None or one of "
+     r"deltajax\.pallas\.core\.Config \(impl='pallas'\), "
+     r"deltajax\.mosaic\.ops\.Config \(impl='mosaic'\)"),
+], ids=("mosaic-to-pallas", "pallas-to-mosaic", "pallas-to-chunked",
+        "not-a-config"))
+def test_config_of_another_implementation_is_refused(impl, config, message):
+  for rule, args in ((deltajax.gated_delta, _args()),
+                     (deltajax.kda, _args(a=_zeros(B, T, H, K)))):
+    with pytest.raises(TypeError, match=message):
+      rule(**args, impl=impl, config=config)
+
+
+def _spy(monkeypatch, impl):
+  """Replaces ``impl``'s function in the registry by one that records the
+  config it gets and returns zeros; returns the list of configs."""
+  seen = []
+  entry = deltajax.registry.REGISTRY[impl]
+
+  def fn(q, k, v, a, b, initial_state, cut, chunk_seq, *, scale, chunk_size,
+         config):
+    seen.append(config)
+    return jnp.zeros_like(v), initial_state
+  monkeypatch.setitem(deltajax.registry.REGISTRY, impl,
+                      dataclasses.replace(entry, fn=fn))
+  return seen
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+def test_pallas_config_reaches_its_kernels(impl, monkeypatch):
+  """``config=deltajax.pallas.Config(...)`` is passed to impl="pallas",
+  which it picks under "auto" (the shapes are this test's own: no trace of
+  another test's is reused)."""
+  config = deltajax.pallas.Config(precision="tf32")
+  seen = _spy(monkeypatch, "pallas")
+  deltajax.gated_delta(**_args(q=_zeros(1, 32, 1, 24), k=_zeros(1, 32, 1, 24),
+                               v=_zeros(1, 32, 1, 40), a=_zeros(1, 32, 1),
+                               b=_zeros(1, 32, 1)), impl=impl, config=config)
+  assert seen == [config]
+
+
+@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
+def test_mosaic_config_picks_mosaic_under_auto(rule, monkeypatch):
+  """``config=deltajax.mosaic.Config(...)`` with impl="auto" runs
+  impl="mosaic" (with that config), and refuses a call that impl="mosaic"
+  cannot run (float32 q, k, v; Gated DeltaNet-2) with a ValueError that
+  names the config, rather than picking another implementation."""
+  config = deltajax.mosaic.Config(pieces=2)
+  seen = _spy(monkeypatch, "mosaic")
+  bf16 = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  gate = (1, 128, 2) if rule == "gated_delta" else (1, 128, 2, 32)
+  getattr(deltajax, rule)(bf16(1, 128, 2, 32), bf16(1, 128, 2, 32),
+                          bf16(1, 128, 2, 48), _zeros(*gate),
+                          _zeros(1, 128, 2), config=config)
+  assert seen == [config]
+  with pytest.raises(ValueError, match=r"config=Config\(pieces=2\) is "
+                     r"impl='mosaic''s, which cannot run this call: its "
+                     r"products are 16-bit"):
+    deltajax.gated_delta(**_args(), config=config)
+  with pytest.raises(ValueError, match=r"impl='mosaic''s, which cannot run "
+                     r"this call: it has no 'gdn2' gate"):
+    deltajax.gdn2(**_args(a=_zeros(B, T, H, K), b=_zeros(B, T, H, K)),
+                  w=_zeros(B, T, H, V), config=config)

@@ -5,7 +5,8 @@ What :func:`deltajax.mosaic.output.output_backward` and
 the chunks' entry states ``S`` (the forward's) and the cotangents ``dS'`` of
 their exit states (the reverse pass's) alone: Delta and dDelta are formed
 again rather than read, and the output's shares of dk and the gate never
-leave the CTA. For one chunk (GDN seed, sections 2.3 and 3.3; ``g`` the
+leave the CTA. For one chunk (Gated DeltaNet's chunkwise form: Yang, Kautz
+& Hatamizadeh, ICLR 2025; ``g`` the
 chunk-local cumulative gate, ``P = scale Gamma * Q K^T`` on ``j <= i``)::
 
   Delta  = T diag(b) (V - e^g * (K S))
@@ -54,8 +55,7 @@ REGISTERS = (104, 216, 184)
 _LAUNCH_REGISTERS = 168
 # WG0 forms its [C, K] and [C, V] float32 tiles by blocks of this many
 # columns, as jla's chunk_grads does, so that fewer registers are live in
-# its small share: at full width (128) ptxas spilled (benchmarks/RESULTS.md,
-# run AB).
+# its small share: at full width (128) ptxas spilled.
 BLOCK = 64
 
 
@@ -162,8 +162,7 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.barrier_arrive(dw_ready)
     # dX_v's uses first, so that only its 16-bit copies stay live through
     # the next products (at K = V = 128, float32 dX_v held through them
-    # left ptxas too few registers for the wgmmas, benchmarks/RESULTS.md
-    # run AB).
+    # left ptxas too few registers for the wgmmas).
     db = jnp.sum(d_xv * load(v_s), axis=1)
     dv = (compat.rows(beta, vals) * d_xv).astype(v_s.dtype)
     d_xk, z = mg.products([

@@ -23,7 +23,7 @@ it runs the warpgroups and insists that every barrier phase be observed)
 and their arithmetic, not the register layouts or the wgmma operand forms.
 Those are checked by lowering the kernels for CUDA on the CPU
 (tests/test_mosaic.py: Mosaic GPU's layout inference and wgmma checks) and
-compiled only on the GPU (benchmarks/mosaic_check.py).
+compiled only on the GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def rows(x, shape):
 
 def decay(mg, g_row, g_col, *, strict=False, transposed=False):
   """``Gamma [C, C]``, ``e^{g_i - g_j}`` at row i, column j for ``j <= i``
-  (``strict``: ``j < i``), else 0, masked before exp (GDN seed, section
-  4.1); ``transposed``: its transpose. ``g_row``, ``g_col``: the chunk's
+  (``strict``: ``j < i``), else 0, masked before exp (above the diagonal
+  the exponent is positive); ``transposed``: its transpose. ``g_row``, ``g_col``: the chunk's
   gate as a per-row (ROWS) and a per-column (COLS) vector."""
   square = (g_row.shape[0], g_col.shape[0])
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
@@ -244,7 +244,7 @@ class Mosaic:
     warpgroup meets after the wait, so that its operands may be written
     (``meet=False``: it does not, where nothing writes them before its next
     meeting; each meeting is a warpgroup barrier on the chain's critical
-    path, RESULTS run Y)."""
+    path)."""
     if self.interpret:  # a value or a ref: x[...] is either's value
       meanwhile()
       # 16-bit operands widen exactly; their products are exact in float32
@@ -280,8 +280,7 @@ class Mosaic:
     if meet:
       # Each warp waits for its own share of the products: the warpgroup
       # meets before any of it overwrites their operands (a TMA copy into a
-      # tile the other warps still read gave rows of garbage on the H200,
-      # run X).
+      # tile the other warps still read gave rows of garbage on the H200).
       plgpu.commit_smem()
     return out
 

@@ -1,19 +1,4 @@
-"""A per-channel gate's intra-chunk scores and their backward, in Mosaic GPU.
-
-:func:`forward`: the first pass of :func:`deltajax.pallas.intra.forward`
-(KDA, one CTA per (batch, chunk, value head), by blocks of 64 key channels
-through one set of tiles, the scores summed over them: 112 KB of shared
-memory, two CTAs per multiprocessor; 192 KB, one, with K whole in run W):
-``g = cumsum(a)`` over the chunk (a floored, as products of its three
-bfloat16 parts, which sum to it exactly, with a triangle of ones in shared
-memory, no register operands), the decayed operands ``Q e^g``, ``K e^g``,
-``K e^{g_C - g}`` (in q's dtype, staged in tiles of their own, in the
-scores' place), and ``A = (K e^{g - r}) (K e^{r - g})^T``, ``P = scale
-(Q e^{g - r}) (K e^{r - g})^T`` through the same midpoint reference ``r``
-as below, their operands in two bfloat16 halves each (three products a
-pair: float32 accuracy, as the Pallas pass's; with one half, A and P were
-2.4e-3 from it at gates of about -0.1 a token, RESULTS run Y); the Pallas
-second pass rewrites the scores of the chunks whose gate falls steeply.
+"""A per-channel gate's intra-chunk scores' backward, in Mosaic GPU.
 
 :func:`backward`: the whole-chunk pass of
 :func:`deltajax.pallas.intra.backward` (g ``[C, K]`` per chunk): for the
@@ -30,15 +15,14 @@ transform)::
        - dy)), 0 where a is below the floor
 
 through one reference gate per channel, the midpoint ``r`` of the chunk's
-range (the seed's secondary chunking): on a chunk whose gate falls by at most
+range (a secondary chunking): on a chunk whose gate falls by at most
 :data:`deltajax.pallas.intra.SPAN` (every channel) each factor is at most
 ``e^{SPAN / 2}``, which the operands' dtype :data:`OPERANDS` (bfloat16
 whatever q's dtype) holds with float32's exponent range. This kernel runs
 on every chunk; the Pallas pass by blocks (``intra.backward(...,
 done=...)``) then rewrites the chunks whose gate falls further, where
-these factors may overflow float32. On the H200 it took
-the step's scores' backward from 869 to 429 us at (4, 4096, 16, 128)
-(RESULTS run W).
+these factors may overflow float32 (faster than the Pallas whole-chunk
+pass on the H200: benchmarks/RESULTS.md).
 
 One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
 brings q, k (head ``j // G``), the gate's tile and its first and last rows,
@@ -50,9 +34,8 @@ rounded to them, as the Pallas kernel rounds them to TF32) and float32
 accumulation; the reverse cumulative sum is one product with an upper
 triangle of ones (in dM's tile), of dg's two bfloat16 halves. dq and dk
 are staged in q's and k's tiles, once read: 111 KB of shared memory, two
-CTAs per multiprocessor (127 KB, one,
-with grouped value heads' float32 dq and dk; 184 KB, one, with every tile
-its own, run W).
+CTAs per multiprocessor (127 KB, one, with grouped value heads' float32
+dq and dk).
 """
 
 from __future__ import annotations
@@ -194,8 +177,8 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     # The reverse cumulative sum, da_i = sum_{j >= i} dg_j, as one product
     # with the upper triangle of ones (in dM's tile, read), of dg's two
     # 16-bit halves (in the decayed operands' tiles, read). The triangle as
-    # a 16-bit register operand gave non-finite da on the H200 (run Y;
-    # from shared memory, finite and repeatable, run Z).
+    # a 16-bit register operand gave non-finite da on the H200 (from shared
+    # memory, finite and repeatable).
     qu_s[...], bku_s[...] = ut.halves(dg, qu_s.dtype)
     dm_s[...] = jnp.where(cols >= rows, 1.0, 0.0).astype(dm_s.dtype)
     plgpu.commit_smem()
@@ -268,131 +251,3 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
       kernel_name="deltajax_mosaic_intra_backward",
       )(q, k, g, b, a, states, d_o, delta, d_m, dk, dg)
 
-
-def _forward_body(mg, a_ref, q_ref, k_ref, g_ref, kk_ref, p_ref, qg_ref,
-                  kg_ref, kend_ref, a_s, q_s, k_s, hi_s, mid_s, lo_s, q_rest,
-                  k_rest, kd_rest, bar, *, groups, scale):
-  bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
-  tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  keys, square = (C, KB), (C, C)
-  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
-  load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
-  parts = lambda tile: [(tile, part) for part in (hi_s, mid_s, lo_s)]
-
-  def load_block(j):
-    channels = pl.ds(j * KB, KB)
-    compat.copy_in(((a_ref.at[bi, tokens, h, channels], a_s),
-                    (q_ref.at[bi, tokens, hk, channels], q_s),
-                    (k_ref.at[bi, tokens, hk, channels], k_s)), bar)
-
-  def decayed(g, g_end, r, channels, qg_s, kg_s, kend_s):
-    """Q e^g, K e^g, K e^{g_C - g} (through staging tiles in q's dtype)
-    and g to HBM; the scores' operands Q e^{g - r}, K e^{g - r} and K e^{r
-    - g} as two :data:`OPERANDS` halves each (the high ones in a's parts'
-    tiles, the rests in ``*_rest``), three products a pair (the rests'
-    product dropped): float32 accuracy, as the Pallas pass's."""
-    from_start = jnp.exp(g)
-    qg_s[...] = (load(q_s) * from_start).astype(qg_s.dtype)
-    kg_s[...] = (load(k_s) * from_start).astype(kg_s.dtype)
-    kend_s[...] = (load(k_s) * jnp.exp(g_end - g)).astype(kend_s.dtype)
-    a_s[...] = g
-    plgpu.commit_smem()
-    for src, dst in ((a_s, g_ref.at[bi, h, tokens, channels]),
-                     (qg_s, qg_ref.at[bi, tokens, h, channels]),
-                     (kg_s, kg_ref.at[bi, tokens, h, channels]),
-                     (kend_s, kend_ref.at[bi, tokens, h, channels])):
-      plgpu.copy_smem_to_gmem(src, dst)
-    up, down = jnp.exp(g - r), jnp.exp(r - g)
-    for x, high, rest in ((load(q_s) * up, hi_s, q_rest),
-                          (load(k_s) * up, mid_s, k_rest),
-                          (load(k_s) * down, lo_s, kd_rest)):
-      high[...], rest[...] = ut.halves(x, OPERANDS)
-    plgpu.commit_smem()
-    # The staging tiles (free once this scope ends) and g's are read.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  load_block(0)
-  qk = kk = None
-  n_blocks = a_ref.shape[3] // KB
-  staging = compat.smem(keys, q_s.dtype)
-  for j in range(n_blocks):  # the scores summed over blocks of channels
-    channels = pl.ds(j * KB, KB)
-    plgpu.barrier_wait(bar)
-    # a (floored) in three bfloat16 parts, which sum to it exactly: sums
-    # over tokens as products with float32 accumulation.
-    a = jnp.maximum(mg.load(a_s, WGMMA), common.LOG_DECAY_FLOOR)
-    hi_s[...] = a.astype(OPERANDS)
-    mid_s[...], lo_s[...] = ut.halves(
-        a - a.astype(OPERANDS).astype(jnp.float32), OPERANDS)
-    # g = cumsum(a) over the chunk, g_end and the reference r = (g_0 +
-    # g_end) / 2 = (g_end + a_0) / 2 in every row, as products of a's parts
-    # with a lower triangle of ones, ones, and (1, 1/2, ..., 1/2) in every
-    # row, staged in the rests' tiles (free until g is known): 16-bit
-    # register operands of this kind gave wrong rows on the H200 (RESULTS
-    # runs W and X).
-    weights = ((kd_rest, jnp.where(cols <= rows, 1.0, 0.0)),
-               (q_rest, jnp.where(cols < C, 1.0, 0.0)),
-               (k_rest, jnp.where(cols == 0, 1.0, 0.5)))
-    for tile, weight in weights:
-      tile[...] = weight.astype(OPERANDS)
-    plgpu.commit_smem()
-    g, g_end, r = mg.products([(parts(tile), keys, None)
-                               for tile, _ in weights])
-    pl.run_scoped(lambda *tiles, g=g, g_end=g_end, r=r, at=channels:
-                  decayed(g, g_end, r, at, *tiles), staging, staging, staging)
-    if j + 1 < n_blocks:  # this block's tiles are read, g's copy out too
-      load_block(j + 1)
-    split = lambda high, rest: [(high, compat.T(lo_s)),
-                                (high, compat.T(kd_rest)),
-                                (rest, compat.T(lo_s))]
-    qk, kk = mg.products([(split(hi_s, q_rest), square, qk),
-                          (split(mid_s, k_rest), square, kk)])
-
-  def store_scores(kk_s, p_s):
-    """P and A to HBM, in the staging tiles' place."""
-    p_s[...] = jnp.where(rows >= cols, scale * qk, 0.0)
-    kk_s[...] = jnp.where(rows > cols, kk, 0.0)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, h, tokens])
-    plgpu.copy_smem_to_gmem(kk_s, kk_ref.at[bi, h, tokens])
-    plgpu.wait_smem_to_gmem(0)
-
-  scores = compat.smem(square, jnp.float32)
-  pl.run_scoped(store_scores, scores, scores)
-
-
-def forward(mg, q, k, a, *, heads, scale):
-  """The forward's first pass over every chunk: the cumulative gate, the
-  operands decayed by it, and the scores through its midpoint (valid where
-  the gate falls gently).
-
-  Args:
-    mg: :class:`compat.Mosaic`.
-    q, k: ``[B, T, H, K]`` one 16-bit dtype, K 64 or 128, T a multiple of
-      64; a: ``[B, T, HV, K]`` float32 log gate; heads: HV.
-    scale: Python float multiplying q.
-
-  Returns:
-    ``(g, A, P, (Q e^g, K e^g), (K e^{g_C - g},))`` as
-    :func:`deltajax.pallas.intra.forward` takes them (``done``): g ``[B,
-    HV, T, K]`` (a floored at :data:`common.LOG_DECAY_FLOOR`), ``A = Gamma *
-    K K^T`` (strictly lower) and ``P = scale Gamma * Q K^T`` (causal),
-    ``[B, HV, T, C]`` float32, the decayed operands ``[B, T, HV, K]`` in
-    q's dtype.
-  """
-  bsz, t_len, h, d = q.shape
-  dtype, f32 = q.dtype, jnp.float32
-  decayed = jax.ShapeDtypeStruct((bsz, t_len, heads, d), dtype)
-  square = jax.ShapeDtypeStruct((bsz, heads, t_len, C), f32)
-  out_type = [jax.ShapeDtypeStruct((bsz, heads, t_len, d), f32), square,
-              square, decayed, decayed, decayed]
-  tile, operand = compat.smem((C, KB), dtype), compat.smem((C, KB), OPERANDS)
-  scratch = [compat.smem((C, KB), f32), tile, tile, *[operand] * 6,
-             plgpu.Barrier(num_arrivals=3)]
-  body = lambda *refs: _forward_body(mg, *refs, groups=heads // h,
-                                     scale=scale)
-  g, kk, p, qg, kg, kend = mg.kernel(
-      body, out_type=out_type, scratch_types=scratch,
-      grid=(bsz, t_len // C, heads), grid_names=("b", "n", "h"),
-      kernel_name="deltajax_mosaic_intra_forward")(a, q, k)
-  return g, kk, p, (qg, kg), (kend,)

@@ -2,7 +2,8 @@
 
 The contract of :func:`deltajax.pallas.output.output_backward` (a scalar
 gate). For ``O = (scale e^g Q) S + P Delta`` with ``P = scale Gamma * Q K^T``
-(``j <= i``; GDN seed, section 3.3) and one chunk's entry state ``S``::
+(``j <= i``; Gated DeltaNet's chunkwise form) and one chunk's entry
+state ``S``::
 
   dDelta_local = P^T dO
   dP~          = scale Gamma * (dO Delta^T)      (the scores' cotangent)
@@ -17,8 +18,13 @@ from ``g_j`` what it gives ``k_j``, so the row and column sums of
 register layout. One CTA (one warpgroup) per (batch, chunk, value head): TMA
 brings q, k (head ``j // G``), the gate, ``S``, Delta and dO; six wgmmas
 with 16-bit operands (``P`` and ``dP~`` rounded to them, as the Pallas
-kernel does) and float32 accumulation; five without dDelta_local, which
-:func:`deltajax.mosaic.reverse.specialized` forms itself.
+kernel does) and float32 accumulation. dk_out leaves in q's 16-bit dtype
+(:func:`deltajax.mosaic.ut_backward.ut_backward` takes it so: half the
+HBM traffic of float32 for one more rounding); dDelta_local stays float32.
+
+This is the backward of the one-warpgroup scan (under ``jax_enable_x64``);
+the three-warpgroup one's backward forms these cotangents in
+:func:`deltajax.mosaic.chunk_backward.chunk_backward`.
 """
 
 from __future__ import annotations
@@ -36,14 +42,9 @@ from deltajax.mosaic.ut import C
 _INPUTS = 7  # TMA copies: q, k, the gate twice, S, Delta, dO
 
 
-def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
-          scale, local_delta):
-  if local_delta:
-    (dq_ref, dg_ref, dd_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s,
-     do_s, p_s, dp_s, dq_s, dk_s, dd_s, dg_s, bar) = refs
-  else:
-    (dq_ref, dg_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s, do_s,
-     p_s, dp_s, dq_s, dk_s, dg_s, bar) = refs
+def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
+          dd_ref, dk_ref, q_s, k_s, g_rows, g_cols, s_s, delta_s, do_s, p_s,
+          dp_s, dq_s, dk_s, dd_s, dg_s, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
@@ -63,13 +64,11 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
   dp_s[...] = (gamma * dp).astype(dp_s.dtype)
   plgpu.commit_smem()
   dk_keys = (C, k_s.shape[1])
-  dq, dk, *dd = mg.products([
+  dq, dk, dd = mg.products([
       ([(do_s, compat.T(s_s))], dk_keys, None),
       ([(compat.T(dp_s), q_s)], dk_keys, None),
-      *([([(compat.T(p_s), do_s)], do_s.shape, None)] if local_delta
-        else [])])
-  if local_delta:
-    compat.copy_out(dd[0], dd_s, dd_ref.at[bi, tokens, h])
+      ([(compat.T(p_s), do_s)], do_s.shape, None)])
+  compat.copy_out(dd, dd_s, dd_ref.at[bi, tokens, h])
   compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
   (dq,) = mg.products([([(dp_s, k_s)], dk_keys,
                         lax.broadcast_in_dim(scale * jnp.exp(g), dk_keys, [0])
@@ -83,8 +82,7 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, *refs, groups,
   plgpu.wait_smem_to_gmem(0)
 
 
-def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
-                    narrow_dk=False, local_delta=True):
+def output_backward(mg, q, k, g, states, delta, d_o, *, scale):
   """The output's cotangents, chunk by chunk.
 
   Args:
@@ -94,44 +92,32 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale,
       V in {64, 128}, T a multiple of 64.
     g: ``[B, HV, T]`` float32 chunk-local cumulative log gate.
     scale: Python float multiplying q.
-    narrow_dk: dk in q's 16-bit dtype (for the Mosaic GPU ut_backward,
-      which takes either), not float32.
-    local_delta: form dDelta_local (False: d_delta is None, for
-      :func:`deltajax.mosaic.reverse.specialized`).
 
   Returns:
     ``(dq [B, T, HV, K], dg [B, HV, T], d_delta [B, T, HV, V], dk [B, T, HV,
     K])`` as :func:`deltajax.pallas.output.output_backward`'s: dq in q's
     dtype without grouped value heads, else float32 (for the sum over the
-    group); dg and d_delta float32, dk float32 unless ``narrow_dk``.
+    group); dg and d_delta float32, dk in q's dtype.
   """
   bsz, t_len, h, dk = q.shape
   heads, dv = d_o.shape[2:]
   dtype, f32 = q.dtype, jnp.float32
   dq_dtype = dtype if heads == h else f32
-  dk_dtype = dtype if narrow_dk else f32
   per_head = (bsz, t_len, heads, dk)
   out_type = [jax.ShapeDtypeStruct(per_head, dq_dtype),
               jax.ShapeDtypeStruct(g.shape, f32),
-              *([jax.ShapeDtypeStruct(d_o.shape, f32)] if local_delta
-                else []),
-              jax.ShapeDtypeStruct(per_head, dk_dtype)]
+              jax.ShapeDtypeStruct(d_o.shape, f32),
+              jax.ShapeDtypeStruct(per_head, dtype)]
   vec = plgpu.SMEM((C,), f32)
   keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
   square = compat.smem((C, C), dtype)
   scratch = [keys, keys, vec, vec, compat.smem((dk, dv), dtype), vals, vals,
              square, square, compat.smem((C, dk), dq_dtype),
-             compat.smem((C, dk), dk_dtype),
-             *([compat.smem((C, dv), f32)] if local_delta else []), vec,
+             compat.smem((C, dk), dtype), compat.smem((C, dv), f32), vec,
              plgpu.Barrier(num_arrivals=_INPUTS)]
-  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             local_delta=local_delta)
-  outputs = mg.kernel(body, out_type=out_type, scratch_types=scratch,
-                      grid=(bsz, t_len // C, heads),
-                      grid_names=("b", "n", "h"),
-                      kernel_name="deltajax_mosaic_output_backward",
-                      )(q, k, g, states, delta, d_o)
-  if local_delta:
-    return tuple(outputs)
-  dq, dg, dk = outputs
-  return dq, dg, None, dk
+  body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
+  return tuple(mg.kernel(body, out_type=out_type, scratch_types=scratch,
+                         grid=(bsz, t_len // C, heads),
+                         grid_names=("b", "n", "h"),
+                         kernel_name="deltajax_mosaic_output_backward",
+                         )(q, k, g, states, delta, d_o))

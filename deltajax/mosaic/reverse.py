@@ -4,38 +4,41 @@ The transpose of :mod:`scan`'s state update, and the contract of
 :func:`deltajax.pallas.state.backward_scan`. One CTA (one warpgroup) per
 (batch, value head, block of BV = 64 value columns) walks the chunks from
 the last, with the cotangent ``dS [K, BV]`` of the chunk's exit state in
-float32 registers (a wgmma accumulator). Per chunk (GDN seed, section 3.3;
-``g`` the chunk-local cumulative gate)::
+float32 registers (a wgmma accumulator). Per chunk (Gated DeltaNet's
+chunkwise form; ``g`` the chunk-local cumulative gate)::
 
   dDelta = dDelta_local + e^{g_C - g} * (K dS)
   dS    <- e^{g_C} dS + Q^T (scale e^g * dO) - W^T dDelta
 
 as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
-staged in shared memory) and float32 accumulation; or, ``transposed``, on
-``dS^T [BV, K]``, with every left operand in registers (``dS^T K^T``, then
-``(scale e^g dO)^T Q - dDelta^T W``). Every exponent is ``<= 0``. TMA
-brings the next chunk's q, k, W, gate, dO and dDelta_local into the other
-of two shared-memory slots meanwhile, and takes each chunk's ``dS`` and
-dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes them
+staged in shared memory) and float32 accumulation. Every exponent is
+``<= 0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local
+into the other of two shared-memory slots meanwhile, and takes each
+chunk's ``dS`` and dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes them
 to its products so (the Pallas pass writes dDelta in float32 over
 dDelta_local, in place; here, without aliasing, the 16-bit copy halves it).
+:func:`backward` is the reverse pass of the one-warpgroup scan (under
+``jax_enable_x64``, and for a per-channel gate).
 
-:func:`specialized` is the transposed pass in three warpgroups that also
-forms what the per-head pass reads, where :func:`backward` reads it from
-HBM: WG2 streams the chunks' q, k, T, gate, beta and dO through two slots;
-WG1 forms each chunk's ``W = T diag(b e^g) K`` and scores ``P = scale
-Gamma * Q K^T`` (16-bit, as :func:`ut.w_u` and the output's backward
-form them) into the slot; WG0 carries ``dS^T`` with ``dDelta_local^T =
-dO^T P`` one more product of the group that forms ``dS^T K^T``. So
-neither W nor the output's float32 dDelta_local goes through HBM.
+:func:`specialized`, the reverse pass of the three-warpgroup scan (per
+head), carries ``dS^T [BV, K]`` (every product's left operand in
+registers: ``dS^T K^T``, then ``(scale e^g dO)^T Q - dDelta^T W``) and
+forms what :func:`backward` reads from HBM: WG2 streams the chunks' q, k,
+T, gate, beta and dO through two slots; WG1 forms each chunk's ``W = T
+diag(b e^g) K`` and scores ``P = scale Gamma * Q K^T`` (16-bit, as
+:func:`ut.w` and the output's backward form them) into the slot; WG0
+carries ``dS^T`` with ``dDelta_local^T = dO^T P`` one more product of the
+group that forms ``dS^T K^T``. So neither W nor the output's float32
+dDelta_local goes through HBM, and it writes no dDelta:
+:func:`deltajax.mosaic.chunk_backward.chunk_backward` forms it again.
 
 Both passes walk pieces of the sequences as the scan does
 (:class:`scan.Pieces`), each from its exit state's cotangent; a ``local``
 pass writes nothing but each piece's entry cotangent.
 
-A per-channel gate (KDA; not ``transposed``) comes as the Pallas kernels'
-decayed operands (``per_channel`` of :func:`backward`), as the Pallas
-per-channel pass takes them::
+A per-channel gate (KDA) comes as the Pallas kernels' decayed operands
+(``per_channel`` of :func:`backward`), as the Pallas per-channel pass
+takes them::
 
   dDelta = dDelta_local + (K e^{g_C - g}) dS
   dS    <- diag(e^{g_C}) dS + (Q e^g)^T (scale dO) - W^T dDelta
@@ -84,7 +87,8 @@ class _Shared(NamedTuple):
 
 def _outputs(refs, local, deltas=True):
   """``(d_delta_ref, d_next_ref, d_initial_ref, scratch)`` (a ``local``
-  pass has only d_initial; without ``deltas``, no d_delta)."""
+  pass has only d_initial; without ``deltas`` (:func:`specialized`'s), no
+  d_delta)."""
   if local:
     return None, None, refs[0], refs[1:]
   if not deltas:
@@ -93,7 +97,7 @@ def _outputs(refs, local, deltas=True):
 
 
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
-          groups, scale, transposed, per_channel, pieces, local):
+          groups, scale, per_channel, pieces, local):
   d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
   sh = _Shared(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -172,44 +176,12 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
                          (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
                         decay(slot, ds) / unit)
 
-  def transposed_step(i, ds_t):
-    """``step`` on ``dS^T [BV, K]``: both products take their left operand
-    from registers, and the chunk's stores overlap the second."""
-    n, slot, tokens = begin(i)
-    tile = (BV, C)
-    per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
-    g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
-    ds_lo = ds_t.astype(sh.ds.dtype)
-    (kds_t,) = mg.products([([(ds_lo, compat.T(sh.k.at[slot]))], tile,
-                             None)])
-    d_delta_t = (mg.load(compat.T(sh.dd.at[slot]), WGMMA)
-                 + per_column(jnp.exp(g_end - g)) * kds_t)
-    read_t = per_column(scale * jnp.exp(g)) * mg.load(
-        compat.T(sh.d_o.at[slot]), WGMMA).astype(jnp.float32)
-
-    def stores():
-      mg.store_transposed(sh.ds, ds_lo)
-      mg.store_transposed(sh.out, d_delta_t.astype(sh.out.dtype))
-      plgpu.commit_smem()
-      store(sh.ds, d_next_ref, (bi, h, n, slice(None), cols))
-      store(sh.out, d_delta_ref, (bi, tokens, h, cols))
-
-    (ds_t,) = mg.products(
-        [([(read_t.astype(sh.ds.dtype), sh.q.at[slot]),
-           ((-d_delta_t).astype(sh.ds.dtype), sh.w.at[slot])], ds_t.shape,
-          jnp.exp(g_end) * ds_t)], meanwhile=(lambda: None) if local
-        else stores)
-    return ds_t
-
-  # This CTA's columns of its row's dS (rows of dS^T, which comes and goes
-  # so).
-  state_at = lambda ref: ref.at[row, h, cols] if transposed else ref.at[
-      row, h, :, cols]
+  # This CTA's columns of its row's dS.
+  state_at = lambda ref: ref.at[row, h, :, cols]
   plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
   issue(n_chunks - 1, 0)
   plgpu.barrier_wait(sh.final)
-  ds = lax.fori_loop(0, n_chunks, transposed_step if transposed else step,
-                     mg.load(sh.f, WGMMA))
+  ds = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   sh.f[...] = ds
   plgpu.commit_smem()
@@ -230,7 +202,6 @@ class _Formed(NamedTuple):
   p: object       # [SLOTS, C, C] P, formed by WG1
   kb: object      # [C, K] WG1's diag(b e^g) K
   ds: object      # [K, BV] dS's 16-bit copy
-  out: object     # [C, BV] dDelta
   f: object       # [BV, K] float32: dS^T of the final, then initial state
   loaded: object  # SLOTS barriers: a slot's tiles arrived
   formed: object  # SLOTS barriers: WG1 formed the slot's W and P
@@ -240,10 +211,9 @@ class _Formed(NamedTuple):
 
 
 def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
-                      dfinal_ref, *refs, groups, scale, pieces, local,
-                      deltas):
-  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local,
-                                                             deltas)
+                      dfinal_ref, *refs, groups, scale, pieces, local):
+  _, d_next_ref, d_initial_ref, scratch = _outputs(refs, local,
+                                                   deltas=False)
   sh = _Formed(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
@@ -330,13 +300,8 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
           return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         mg.store_transposed(sh.ds, ds_lo)
-        if deltas:
-          mg.store_transposed(sh.out, d_delta_t.astype(dtype))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(sh.ds, d_next_ref.at[bi, h, n, :, cols])
-        if deltas:
-          plgpu.copy_smem_to_gmem(
-              sh.out, d_delta_ref.at[bi, pl.ds(n * C, C), h, cols])
 
       (ds_t,) = mg.products(
           [([(read_t.astype(dtype), sh.q.at[slot]),
@@ -360,34 +325,31 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
 
 
 def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
-                local=False, deltas=True):
-  """:func:`backward` (``transposed``, per head) forming W and
-  dDelta_local itself, in three warpgroups.
+                local=False):
+  """The per-head reverse pass of the three-warpgroup scan, carrying
+  ``dS^T`` and forming W and dDelta_local itself.
 
   Args:
     mg: :class:`compat.Mosaic`.
-    q, k: ``[B, T, H, K]``, t: ``[B, HV, T, C]`` (:func:`ut.inverse`),
-      d_o: ``[B, T, HV, V]``, one 16-bit dtype; K in {64, 128}, V a
-      multiple of 64, T a multiple of 64.
+    q, k: ``[B, T, H, K]``, t: ``[B, HV, T, C]``
+      (:func:`deltajax.pallas.ut.inverse`), d_o: ``[B, T, HV, V]``, one
+      16-bit dtype; K in {64, 128}, V a multiple of 64, T a multiple of 64.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
     d_final: ``[B P, HV, K, V]`` float32, the cotangent of each piece's
       exit state.
     scale: Python float multiplying q.
     pieces, local: as for :func:`backward`.
-    deltas: write dDelta (False: d_delta is None, for
-      :func:`deltajax.mosaic.chunk_backward.chunk_backward`, which forms it
-      again).
 
   Returns:
-    :func:`backward`'s ``(d_delta, d_next, d_initial)``, or with ``local``
-    ``d_initial``.
+    ``(None, d_next, d_initial)`` as :func:`backward` returns them, with no
+    dDelta (:func:`deltajax.mosaic.chunk_backward.chunk_backward` forms it
+    again), or with ``local`` ``d_initial``.
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
   pieces = _whole(pieces, t_len)
-  out_type = _out_type(d_o.shape if deltas else None, dtype,
-                       (bsz, heads, t_len // C, dk, dv),
+  out_type = _out_type(None, dtype, (bsz, heads, t_len // C, dk, dv),
                        (d_final.shape[0], heads, dv, dk), local)
   keys = compat.smem((SLOTS, C, dk), dtype)
   square = compat.smem((SLOTS, C, C), dtype)
@@ -396,14 +358,13 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   scratch = [keys, keys, square, vec, vec,
              compat.smem((SLOTS, C, BV), dtype), keys, square,
              compat.smem((C, dk), dtype), compat.smem((dk, BV), dtype),
-             compat.smem((C, BV), dtype),
              compat.smem((BV, dk), jnp.float32),
              plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS), slots,
              plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
   body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
                                          scale=scale, pieces=pieces,
-                                         local=local, deltas=deltas)
+                                         local=local)
   *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
@@ -413,7 +374,7 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   d_initial = jnp.swapaxes(d_initial, 2, 3)
   if local:
     return d_initial
-  return (*([] if deltas else [None]), *outs, d_initial)
+  return (None, *outs, d_initial)
 
 
 def _whole(pieces, t_len):
@@ -433,7 +394,7 @@ def _out_type(d_delta, dtype, d_next, d_initial, local):
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
-             transposed=False, per_channel=False, pieces=None, local=False):
+             per_channel=False, pieces=None, local=False):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -446,10 +407,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
     d_final: ``[B P, HV, K, V]`` float32, the cotangent of the state
       leaving each of the ``P`` pieces.
     scale: Python float multiplying q.
-    transposed: carry ``dS^T`` (as :mod:`scan`'s "specialized" schedule
-      carries ``S^T``) instead of dS.
-    per_channel: for a per-channel gate (not ``transposed``): q and k are
-      then ``Q e^g`` and ``K e^{g_C - g}`` (``[B, T, HV, K]``,
+    per_channel: for a per-channel gate: q and k are then ``Q e^g`` and
+      ``K e^{g_C - g}`` (``[B, T, HV, K]``,
       :func:`deltajax.pallas.intra.chunk_gates`) and g the gate at each
       chunk's end, ``[B, HV, T / C, K]`` float32.
     pieces: :class:`scan.Pieces` walked side by side, each from its exit
@@ -463,15 +422,10 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
     float32 (of each piece's entry state))``, or with ``local``
     ``d_initial``.
   """
-  if transposed and per_channel:
-    raise ValueError("the transposed reverse pass has only the per-head "
-                     "gate")
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
   dtype = k.dtype
   pieces = _whole(pieces, t_len)
-  if transposed:  # dS^T comes in and goes out: [B, HV, V, K]
-    d_final = jnp.swapaxes(d_final, 2, 3)
   out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
                        d_final.shape, local)
   keys = compat.smem((SLOTS, C, dk), dtype)
@@ -481,17 +435,15 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
              compat.smem((SLOTS, C, BV), dtype),
              compat.smem((SLOTS, C, BV), jnp.float32),
              compat.smem((dk, BV), dtype), tile, tile, tile,
-             compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
+             compat.smem((dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             transposed=transposed, per_channel=per_channel,
-                             pieces=pieces, local=local)
+                             per_channel=per_channel, pieces=pieces,
+                             local=local)
   *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_reverse",
   )(q, k, w, g, d_o, d_delta_local, d_final)
-  if transposed:
-    d_initial = jnp.swapaxes(d_initial, 2, 3)
   return d_initial if local else (*outs, d_initial)

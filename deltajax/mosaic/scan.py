@@ -2,8 +2,9 @@
 
 One CTA per (batch, value head, block of BV = 64 value columns) walks the
 chunks in order with the state ``S [K, BV]`` in float32 registers (a wgmma
-accumulator). Per chunk (GDN seed, section 3.3, the UT form, with ``g`` the
-chunk-local cumulative gate)::
+accumulator). Per chunk (the UT form of Gated DeltaNet's chunkwise
+algorithm: Yang, Kautz & Hatamizadeh, ICLR 2025; ``g`` the chunk-local
+cumulative gate)::
 
   Delta = T diag(b) (V - (K e^g) S)              (= U - W S)
   O     = scale e^g * (Q S) + (scale Gamma * Q K^T) Delta
@@ -15,10 +16,9 @@ copy staged in shared memory), ``T Y``, the state update, ``Q K^T``, ``Q S``
 Delta's 16-bit copy, the one the state update takes (rounding P too cost
 1e-2 of o's relative error at b near 2 with aligned keys,
 tests/test_mosaic.py). A per-channel gate's ``P Delta`` takes Delta's rest
-as a third pass (two passes cost 7.6e-3 of o's error against 4.2e-3 at
-(1024, 128) with strong gates on the H200, RESULTS run Z). Every exponent
-is ``<= 0`` (``g`` falls within the chunk; above the diagonal the difference
-is masked to ``-inf`` before ``exp``, seed section 4.1).
+as a third pass (two passes nearly doubled o's error with strong gates).
+Every exponent is ``<= 0`` (``g`` falls within the chunk; above the
+diagonal the difference is masked to ``-inf`` before ``exp``).
 
 Two schedules of the same steps (:data:`SCHEDULES`):
 
@@ -33,7 +33,7 @@ Two schedules of the same steps (:data:`SCHEDULES`):
   ``save``, as it carries them, transposed), WG1
   forms the scores and the output from them, two chunks behind WG0 at
   most. (One warpgroup carrying ``S^T`` alone was no faster than ``"one"``
-  on the H200, RESULTS run N.)
+  on the H200.)
 
 A per-channel gate (KDA; schedule ``"one"`` only) comes as the Pallas
 kernels' decayed operands and scores (``channel`` of :func:`forward`), as
@@ -49,8 +49,11 @@ gates, and P (float32, for its bf16 halves) into one slot of its own, the
 next chunk's once this chunk's output has read it: 218 KB of shared memory
 per CTA at K = 128 (179 KB for the per-head gate).
 
-With ``save``, the kernel also writes what the Pallas backward reads: each
-chunk's entry state (``[B, HV, N, K, V]``) and Delta, in v's dtype.
+With ``save``, the kernel also writes what the backward reads, in v's
+dtype: each chunk's entry state (``[B, HV, N, K, V]``) and, in schedule
+``"one"``, Delta (the three-warpgroup schedule's backward,
+:func:`deltajax.mosaic.chunk_backward.chunk_backward`, forms Delta again
+from the states).
 
 The grid's rows may be pieces of the sequences (:class:`Pieces`), each from
 its own entry state. :func:`piece_maps` gives those: the same kernel with
@@ -275,7 +278,7 @@ class _Chunk(NamedTuple):
     """The product of the output from :meth:`queries`' results."""
     if self.per_channel:
       # As the Pallas per-channel output kernel: scale (Q e^g) S + P Delta,
-      # P (scale included) from intra.forward in float32.
+      # P (scale included) from the Pallas intra.forward in float32.
       (qs,) = read
       plgpu.barrier_wait(self.sh.p_loaded)
       p = ut.halves(self.mg.load(self.sh.p, WGMMA), self.dtype)
@@ -324,11 +327,9 @@ class _Chunk(NamedTuple):
 
   def publish(self, s_t, delta_t):
     """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d_hi`` from WG0's
-    ``S^T`` and ``Delta^T`` (16-bit): as they are
-    where ``carried`` (165.3 and 175.4 against 167.3 and 177.4 us for the
-    scan at (4, 4096, 16, 128) on the H200, twice in one call, RESULTS run
-    Z), else transposed (the layout that ``save`` copies to HBM); commits
-    every shared memory store so far."""
+    ``S^T`` and ``Delta^T`` (16-bit): as they are where ``carried`` (WG1
+    reads them transposed), else transposed (the layout that ``save``
+    copies to HBM); commits every shared memory store so far."""
     for ref, x in ((self.sh.s, s_t), (self.sh.d_hi, delta_t)):
       if self.carried:
         ref[...] = x
@@ -355,10 +356,11 @@ class _Chunk(NamedTuple):
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, deltas, schedule, per_channel, pieces, maps):
+          scale, save, schedule, per_channel, pieces, maps):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
   refs = refs[2:] if per_channel else refs
   o_ref, final_ref, *refs = (None, *refs) if maps else refs
+  deltas = _saves_deltas(schedule)
   saved = (1 + deltas) if save else 0
   states_ref, delta_ref = (*refs[:saved], None, None)[:2]
   refs = refs[saved:]
@@ -562,22 +564,20 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            deltas=True, schedule="one", channel=None, pieces=None):
+            schedule="one", channel=None, pieces=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
     mg: :class:`compat.Mosaic`.
     q, k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, one 16-bit dtype; K in
       {64, 128}, V a multiple of 64, T a multiple of 64.
-    t: ``[B, HV, T, C]`` from :func:`ut.inverse`.
+    t: ``[B, HV, T, C]`` from :func:`deltajax.pallas.ut.inverse`.
     g, b: ``[B, HV, T]`` float32: the chunk-local cumulative log gate, beta.
     initial_state: ``[B P, HV, K, V]`` float32, the state entering each of
       the ``P = pieces.count`` pieces of each sequence.
     scale: Python float multiplying q.
-    save: also return the chunk-entry states and Delta.
-    deltas: with ``save``, Delta too (False: None in its place, for
-      :func:`deltajax.mosaic.chunk_backward.chunk_backward`, which forms
-      it again).
+    save: also return the chunk-entry states and Delta (None in
+      schedule "specialized", whose backward forms it again).
     schedule: one of :data:`SCHEDULES`.
     channel: for a per-channel gate (schedule "one" only), ``(kd, p)``:
       ``K e^{g_C - g} [B, T, HV, K]`` in q's dtype and ``P = scale Gamma *
@@ -590,15 +590,15 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
   Returns:
     ``(o [B, T, HV, V] in v's dtype, the state leaving each piece [B P, HV,
     K, V] float32)``, then with ``save`` ``states [B, HV, T / C, K, V]``
-    and ``delta [B, T, HV, V]`` in v's dtype.
+    and ``delta [B, T, HV, V]`` (or None) in v's dtype.
   """
   if pieces is None:
     pieces = Pieces(1, k.shape[1] // C)
   if pieces.count * pieces.length * C != k.shape[1]:
     raise ValueError(f"{pieces} do not cover T = {k.shape[1]}")
   return _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
-                 save=save, deltas=deltas, schedule=schedule,
-                 channel=channel, pieces=pieces, maps=False)
+                 save=save, schedule=schedule, channel=channel,
+                 pieces=pieces, maps=False)
 
 
 def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
@@ -626,6 +626,12 @@ def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
   return maps[..., :dk], maps[..., dk:]
 
 
+def _saves_deltas(schedule):
+  """Whether ``save`` writes Delta: for the one-warpgroup schedule's
+  backward; the three-warpgroup one's forms it again."""
+  return schedule == "one"
+
+
 def _carried(schedule, save, maps):
   """Whether WG0 publishes ``S^T`` and ``Delta^T`` as it carries them
   (:class:`_Chunk`): the specialized scan with an output and no saves."""
@@ -633,7 +639,7 @@ def _carried(schedule, save, maps):
 
 
 def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
-            channel, pieces, maps, deltas=True):
+            channel, pieces, maps):
   """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
   initial state's columns past v's the identity's) the final states
   alone."""
@@ -652,6 +658,7 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
   out_type = [jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
   if not maps:
     out_type.insert(0, jax.ShapeDtypeStruct(v.shape, dtype))
+  deltas = _saves_deltas(schedule)
   if save:
     out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
                  *([jax.ShapeDtypeStruct(v.shape, dtype)] if deltas else [])]
@@ -682,7 +689,7 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
                 plgpu.Barrier(num_arrivals=len(roles))]
     threads = dict(num_threads=len(roles), thread_name="wg")
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             save=save, deltas=deltas, schedule=schedule,
+                             save=save, schedule=schedule,
                              per_channel=per_channel, pieces=pieces,
                              maps=maps)
   rows = bsz * pieces.count

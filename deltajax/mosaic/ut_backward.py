@@ -3,7 +3,8 @@
 The contract of :func:`deltajax.pallas.ut.ut_backward` for a scalar gate:
 from dDelta (the reverse pass's), the chunk's entry state ``S`` and the
 cotangent ``dS'`` of its exit state, the cotangents of k, v, beta and the
-gate through (GDN seed, sections 2.3 and 3.3)::
+gate through (Gated DeltaNet's chunkwise form: Yang, Kautz & Hatamizadeh,
+ICLR 2025)::
 
   [W | U] = T diag(b) [K e^g | V],  T = (I + diag(b) A)^-1,
   A = Gamma * K K^T (j < i),        Delta = U - W S,
@@ -158,7 +159,7 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     # dX_k's 16-bit copy in dW's place (read), and what needs dX_k and
     # dK_end formed at once: neither is live through the products below,
     # nor K K^T through this one (the kernel is held at 255 registers and
-    # spills; RESULTS run V).
+    # spills otherwise).
     dw_s[...] = d_xk.astype(dw_s.dtype)
     plgpu.commit_smem()
     k = mg.load(k_s, WGMMA).astype(jnp.float32)

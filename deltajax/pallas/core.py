@@ -2,7 +2,7 @@
 
 Every kernel is lowered through Triton (``pallas.triton.CompilerParams``), or
 run in Pallas interpret mode when no GPU is present (slow; for tests). Whether
-to interpret is decided once, by :meth:`KernelConfig.resolve` at the entry
+to interpret is decided once, by :meth:`Config.resolve` at the entry
 point, and passed down (:class:`Dot`, :func:`call`).
 
 Triton limits shape the kernels: power-of-two loads and stores, 2-D dots with
@@ -25,34 +25,68 @@ SUB = 16  # the smallest block a Triton dot accepts
 MIN_CAPABILITY = (8, 0)
 
 
+PRECISIONS = ("tf32x3", "tf32", "ieee")  # of float32 dots on the GPU
+
+
+def _power_of_two(x, least: int) -> bool:
+  return (isinstance(x, int) and not isinstance(x, bool) and x >= least
+          and x & (x - 1) == 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
   """Launch knobs of one kernel. ``block_v``, ``block_k``: V columns or key
   channels per program (or per inner step), None for kernels without one (or
   all of them); ``num_stages=None``: chosen from the tile sizes (the forward
-  scan); ``method``: the algorithm of a kernel with two of the same result
-  (the UT inverse's, :data:`deltajax.pallas.ut.INVERSE_METHODS`), None for
-  the others."""
+  scan).
+
+  Raises:
+    ValueError: ``num_warps`` is not a power of two, ``num_stages`` not
+      None or a positive int, a block not None or a power of two >= 16 (the
+      smallest Triton dot).
+  """
   num_warps: int = 4
   num_stages: int | None = 1
   block_v: int | None = None
   block_k: int | None = None
-  method: str | None = None
+
+  def __post_init__(self):
+    if not _power_of_two(self.num_warps, 1):
+      raise ValueError(f"Launch.num_warps must be a power of two; got "
+                       f"{self.num_warps!r}")
+    if self.num_stages is not None and not (
+        isinstance(self.num_stages, int)
+        and not isinstance(self.num_stages, bool) and self.num_stages >= 1):
+      raise ValueError(f"Launch.num_stages must be None or a positive int; "
+                       f"got {self.num_stages!r}")
+    for name in ("block_v", "block_k"):
+      value = getattr(self, name)
+      if value is not None and not _power_of_two(value, SUB):
+        raise ValueError(f"Launch.{name} must be None or a power of two >= "
+                         f"{SUB}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Every launch knob of impl="pallas" (``step``: the decoding step's;
-  ``channel``: a per-channel gate's, where they differ), with
-  the defaults tuned on the H200 (benchmarks/RESULTS.md,
-  benchmarks/profile_kernels.py).
+class Config:
+  """``impl="pallas"``'s config: every launch knob of its kernels
+  (``step``: the decoding step's; ``channel``: a per-channel gate's, where
+  they differ), with the defaults tuned on the H200 (benchmarks/RESULTS.md,
+  benchmarks/profile_kernels.py). Frozen and hashable: a static argument
+  under ``jit`` (``deltajax.gated_delta(..., impl="pallas",
+  config=Config(...))``).
 
   ``interpret``: None picks interpret mode exactly when the default backend
   is not a GPU; :meth:`resolve` fixes it once per call of the entry point.
-  ``precision``: float32 dots on the GPU, "tf32x3" (three TF32 passes, about
-  float32 accuracy), "tf32" or "ieee"; interpret mode computes exactly.
+  ``precision``: float32 dots on the GPU (:data:`PRECISIONS`), "tf32x3"
+  (three TF32 passes, about float32 accuracy), "tf32" or "ieee"; interpret
+  mode computes exactly.
+
+  Raises:
+    ValueError: a kernel's field is not a :class:`Launch`, ``channel``
+      names no kernel, ``interpret`` is not None or a bool, ``precision``
+      is not one of :data:`PRECISIONS`.
   """
-  inverse: Launch = Launch(num_warps=1, num_stages=1, method="blocks")
+  inverse: Launch = Launch(num_warps=1, num_stages=1)
   intra: Launch = Launch(num_warps=4, num_stages=1, block_k=64)
   forward_scan: Launch = Launch(num_warps=4, num_stages=None, block_v=64)
   output: Launch = Launch(num_warps=4, num_stages=1, block_v=128)
@@ -71,13 +105,32 @@ class KernelConfig:
   interpret: bool | None = None
   precision: str = "tf32x3"
 
+  def __post_init__(self):
+    kernels = KERNELS
+    for name in kernels:
+      if not isinstance(getattr(self, name), Launch):
+        raise ValueError(f"Config.{name} must be a Launch; got "
+                         f"{getattr(self, name)!r}")
+    if not isinstance(self.channel, tuple) or not all(
+        isinstance(x, tuple) and len(x) == 2 and x[0] in kernels
+        and isinstance(x[1], Launch) for x in self.channel):
+      raise ValueError(f"Config.channel must be a tuple of (kernel, Launch) "
+                       f"pairs, the kernels among {kernels}; got "
+                       f"{self.channel!r}")
+    if self.interpret is not None and not isinstance(self.interpret, bool):
+      raise ValueError(f"Config.interpret must be None or a bool; got "
+                       f"{self.interpret!r}")
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"Config.precision must be one of {PRECISIONS}; got "
+                       f"{self.precision!r}")
+
   def launch(self, kernel: str, per_channel: bool) -> Launch:
     """The launch of ``kernel`` for a per-channel gate or a per-head one."""
     if per_channel and kernel in dict(self.channel):
       return dict(self.channel)[kernel]
     return getattr(self, kernel)
 
-  def resolve(self) -> KernelConfig:
+  def resolve(self) -> Config:
     """This config with ``interpret`` decided (raises on a GPU too old)."""
     if self.interpret is not None:
       return self
@@ -86,6 +139,11 @@ class KernelConfig:
   @property
   def dot(self) -> Dot:
     return Dot(interpret=bool(self.interpret), precision=self.precision)
+
+
+# The kernels of :class:`Config`, each with a :class:`Launch`.
+KERNELS = tuple(f.name for f in dataclasses.fields(Config)
+                if f.name not in ("channel", "interpret", "precision"))
 
 
 def padded_dim(d: int) -> int:
@@ -195,7 +253,7 @@ class Dot:
   """2-D matrix products with float32 accumulation (float64 for float64).
 
   16-bit operands use the tensor cores as they are. On the GPU, float32
-  operands use ``precision`` (see :class:`KernelConfig`); in interpret mode
+  operands use ``precision`` (see :class:`Config`); in interpret mode
   every product is computed exactly (``Precision.HIGHEST``).
   """
   interpret: bool
@@ -222,10 +280,9 @@ class Dot:
   def split(self, dtype):
     """Like :meth:`of_float32`, but for 16-bit inputs three bf16 passes:
     each float32 operand split into its bf16 rounding and the bf16 rounding
-    of the rest (16 mantissa bits), the product of the rests dropped. On
-    the H200 this took the output kernel from 0.24 to 0.20 ms where one
-    TF32 pass of the same ``[C, C] x [C, V]`` product spilled
-    (benchmarks/RESULTS.md, run H)."""
+    of the rest (16 mantissa bits), the product of the rests dropped: for
+    the output kernel, where one TF32 pass of the same ``[C, C] x [C, V]``
+    product spilled registers (faster on the H200: benchmarks/RESULTS.md)."""
     if jnp.dtype(dtype).itemsize >= 4 or self.interpret:
       return self.of_float32(dtype)
 
@@ -292,9 +349,8 @@ def reverse_cumsum(x, dot: Dot):
 
   On the GPU a float32 ``x`` goes through the bf16 tensor cores in three
   passes: x split into three bf16 pieces of 8 mantissa bits each (24 in
-  all), the ones exact, float32 accumulation. On the H200 this took
-  intra.backward from 0.975 to 0.910 ms against one exact (CUDA-core) product
-  (benchmarks/RESULTS.md, run I)."""
+  all), the ones exact, float32 accumulation (faster on the H200 than one
+  exact CUDA-core product: benchmarks/RESULTS.md)."""
   c = x.shape[0]
   rows, cols = iota((c, c), 0), iota((c, c), 1)
   if x.ndim == 1:
@@ -380,8 +436,8 @@ def gate_spec(g, rows: int, index_map):
 # cumulative count of cuts (a cut discards the state carried into its token),
 # both chunk-local; c is None when there are no cuts, and then these are the
 # plain exponentials (no extra work). A decay spanning a cut is 0: the mask is
-# applied to the exponent, before exp (GDN seed 4.1: above the diagonal the
-# difference is positive and can overflow).
+# applied to the exponent, before exp (above the diagonal the difference is
+# positive and can overflow).
 
 
 def masked_exp(x, mask):

@@ -21,8 +21,8 @@ into the scores' shares of dq, dk, db and of the gate, adds the other
 kernels' shares, and sums the gate's cotangent into ``da`` (reverse
 cumulative sum within the chunk), written in a's layout.
 
-Every score is a product through a reference gate ``r`` (the seed's
-secondary chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
+Every score is a product through a reference gate ``r`` (a secondary
+chunking): ``x_i . y_j Gamma_ij = (x_i e^{g_i - r}) .
 (y_j e^{r - g_j})``. For the 16 rows of block I (forward, and the row side
 of the backward), ``r`` is the gate in the middle of block I where the gate
 falls by at most :data:`SPAN` over the block (every channel): one ``[16, K]
@@ -442,7 +442,7 @@ def _backward_whole_chunk(refs, *, scale, dot):
   r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
   # In this order, with dq stored first, fewer [C, k] float32 values are
-  # live at once (registers): 0.91 -> 0.86 ms on the H200 (RESULTS.md, run I).
+  # live at once (registers).
   k_down = refs["k"][...].astype(acc) * down
   d_p, d_m = _masked_cotangents(refs, (0, c), (0, c), (slice(None),) * 2,
                                 dot)
@@ -535,11 +535,10 @@ def _chunk_rows(chunk_size, groups, width):
 
 
 def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
-            dot, kr=None, from_start=(), to_end=(), done=None,
-            keep_g=False):
+            dot, kr=None, from_start=(), to_end=(), keep_g=False):
   """The chunk-local gate and the intra-chunk scores of every chunk, with
   the operands decayed by the gate (:func:`chunk_gates`' work, fused: g is
-  written whole only with ``keep_g``, or ``done``).
+  written whole only with ``keep_g``).
 
   Args:
     q, k: ``[B, T, H, K]``; a: ``[B, T, HV, K]`` per-channel log gate (as
@@ -547,11 +546,7 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     cumulative cut count, or None; heads: HV; launch.block_k: key channels
     per inner product; kr: None, or ``[B, T, HV, K]``: the keys on A's row
     side (Gated DeltaNet-2's erased keys ``b * k``); from_start, to_end: as
-    :func:`chunk_gates` takes them; done: None, or the first pass's
-    ``(g, kk, p, starts, ends)`` formed elsewhere for every chunk
-    (:func:`deltajax.mosaic.intra.forward`: g whole, the scores through
-    the midpoint gate): the second pass then rewrites the scores of the
-    chunks whose gate is not gentle; keep_g: g written for every chunk (for
+    :func:`chunk_gates` takes them; keep_g: g written for every chunk (for
     the backward), not only where the second pass reads it.
 
   Returns:
@@ -561,7 +556,7 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     rows, 0 across a cut; ``g_end [B, HV, T / C, K]``, the cumulative gate
     at each chunk's end; ``starts``, ``ends``: as :func:`chunk_gates`
     returns them; ``g [B, HV, T, K]``, the cumulative gate (at every chunk
-    with ``keep_g`` or ``done``, else only where the gate is not gentle).
+    with ``keep_g``, else only where the gate is not gentle).
   """
   bsz, t_len, h, dk = k.shape
   c, n = chunk_size, t_len // chunk_size
@@ -588,14 +583,10 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
                           rows, inputs, outputs)
   run = functools.partial(core.call, launch=launch, interpret=interpret,
                           scale=scale, dot=dot, block_k=launch.block_k or dk)
-  if done is None:
-    g, g_end, kk, p, *decayed = run(
-        _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
-        outputs=outputs, name="deltajax_intra", as_tuple=True,
-        counts=counts, every_g=keep_g)
-  else:
-    g, kk, p, *decayed = done
-    g_end, decayed = g[:, :, c - 1::c], (*decayed[0], *decayed[1])
+  g, g_end, kk, p, *decayed = run(
+      _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
+      outputs=outputs, name="deltajax_intra", as_tuple=True, counts=counts,
+      every_g=keep_g)
   # The chunks whose gate is not gentle, written into the first pass's
   # outputs.
   kk, p = run(

@@ -65,7 +65,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       its last chunk (a sequence without chunks keeps its initial state).
     scale: Python float multiplying q.
     chunk_size: C, a power of two >= 16 dividing T.
-    config: :class:`core.KernelConfig` (None: the defaults).
+    config: :class:`core.Config` (None: the defaults).
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in the
@@ -85,7 +85,7 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     raise ValueError(f"chunk_seq needs B = 1 and shape [T / C] = "
                      f"{(t_len // chunk_size,)}; got B = {bsz}, "
                      f"{tuple(chunk_seq.shape)}")
-  config = (config or core.KernelConfig()).resolve()
+  config = (config or core.Config()).resolve()
   b, kr, v = _read_keys(b, q, k, v)
   return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
                  initial_state, cut, chunk_seq, kr)
@@ -208,12 +208,11 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
-                dtype, first_pass=None, keep_g=False):
+                dtype, keep_g=False):
   """The forward's parallel steps before the state scan, on q, k (and the
   read keys kr) padded as :func:`_padded` pads them: the gates
   (:func:`gates`; per channel with the intra-chunk scores,
-  :func:`intra.forward`, whose first pass may be ``first_pass(q, k, a)``:
-  its ``done``), and T (:func:`ut.inverse`).
+  :func:`intra.forward`), and T (:func:`ut.inverse`).
 
   Returns:
     ``(g, beta, cuts, decayed, t, p, g_whole)``: :func:`gates`' first three,
@@ -239,8 +238,7 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
   a_kk, p, g_end, starts, ends, g = intra.forward(
       q=q, k=k, kr=kr, a=a, cuts=cuts, heads=heads, scale=scale,
       from_start=(q, k if kr is None else kr), to_end=(k,),
-      launch=launch("intra"), keep_g=keep_g,
-      done=None if first_pass is None else first_pass(q, k, a), **shared)
+      launch=launch("intra"), keep_g=keep_g, **shared)
   t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                  launch=launch("inverse"), **shared)
   return g_end, beta, cuts, starts + ends, t, p, g if keep_g else None

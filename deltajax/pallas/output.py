@@ -33,8 +33,7 @@ def _output_kernel(*, q_ref, k_ref, g_ref, cuts_ref, s_ref, delta_ref, p_ref,
     p = p_ref[...].astype(acc)
     read = scale * dot(qg_ref[...], s_ref[...])
   # P Delta in float32: with aligned keys and a long memory, rounding P and
-  # Delta to 16 bits would cost o 2e-3 of relative error each
-  # (benchmarks/RESULTS.md, run G).
+  # Delta to 16 bits would cost o 2e-3 of relative error each.
   delta = delta_ref[...]
   o = read + dot.split(dtype)(p, delta.astype(acc))
   o_ref[...] = o.astype(o_ref.dtype)

@@ -2,7 +2,7 @@
 
 One program per (batch, value head, V block) walks the chunks with the state
 ``[K, BV]`` in registers, in float32. Only what depends on the carried state
-stays on this path (ANCHORS: the sequential path is latency-bound): forward,
+stays on this path (the sequential path is latency-bound): forward,
 ``Delta`` and the state update; backward, the state cotangent.
 
 A per-channel gate comes as decayed keys and queries (``K e^g``, ``K e^{g_C -
@@ -239,9 +239,8 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
   if num_stages is None:  # T, V and key tiles of one chunk
     key_tiles = 1 if decayed is None else 2
     # With more programs than multiprocessors, two stages let two programs
-    # share one (at 1, 8192, 96, 128 on the H200: 0.74 -> 0.58 ms per
-    # channel, 0.56 -> 0.53 per head; three stages are faster with one
-    # program per multiprocessor, benchmarks/RESULTS.md, run J).
+    # share one; three stages are faster with one program per
+    # multiprocessor (on the H200: benchmarks/RESULTS.md).
     sms = core.multiprocessors()
     crowded = sms is not None and bsz * heads * (dv // bv) > sms
     num_stages = _pipeline_stages(

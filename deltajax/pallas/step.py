@@ -97,14 +97,14 @@ def gated_delta_step_pallas(state, q, k, v, a, b, *, scale, config=None):
       the state's rows); b: ``[B, HV]``, or Gated DeltaNet-2's
       ``(erase [B, HV, K], write [B, HV, V])`` (a per channel).
     scale: Python float multiplying q.
-    config: :class:`core.KernelConfig` (None: the defaults); its ``step``
+    config: :class:`core.Config` (None: the defaults); its ``step``
       launch sets ``num_warps`` and the V block.
 
   Returns:
     ``(o [B, HV, V] in v's dtype, new_state)``, not differentiable (api
     differentiates through the jnp step).
   """
-  config = (config or core.KernelConfig()).resolve()
+  config = (config or core.Config()).resolve()
   dk, dv = state.shape[2:]
   pk, pv = core.padded_dim(dk), core.padded_dim(dv)
   a = a[..., None] if a.ndim == 2 else common.pad_axis(a, 2, pk)

@@ -1,6 +1,7 @@
 """UT transform kernels: per chunk, ``T = (I + A)^-1``, then ``W`` and ``U``.
 
-``A = diag(b) (Gamma * K K^T)`` (GDN seed, section 2.3) is strictly lower, so
+``A = diag(b) (Gamma * K K^T)`` (the UT transform of Gated DeltaNet's
+chunkwise form: Yang, Kautz & Hatamizadeh, ICLR 2025) is strictly lower, so
 ``I + A`` is unit lower triangular: never singular, no pivoting. It is
 inverted by blocks of 16: the diagonal blocks by forward substitution, the
 blocks below by block forward substitution,
@@ -24,18 +25,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from deltajax.pallas import core
 from deltajax.pallas import scores
 from deltajax.pallas.core import SUB
-
-# How :func:`inverse` inverts (``Launch.method``): substitution in 16-blocks
-# (:func:`invert`), or recursive doubling on the whole tile
-# (:func:`invert_by_doubling`).
-INVERSE_METHODS = ("blocks", "doubling")
-
 
 def _invert_unit_lower_blocks(a):
   """``(I + a_i)^-1`` for strictly lower ``a [n, 16, 16]``, all n at once, row by row."""
@@ -93,9 +87,9 @@ def block_product(dtype, dot: core.Dot):
   exact for float32 keys, else in the config's precision (three TF32 passes
   by default). The sums below the diagonal cancel with aligned keys: at b =
   1.99 with identical keys T erred by 5 % of its largest entry with one
-  TF32 pass on the H200 (benchmarks/RESULTS.md, run AB), and by 3.1e-3
-  with three bf16 passes (:meth:`core.Dot.split`, emulated on the CPU),
-  against 2.0e-3 with three TF32 passes and the tests' bound of 2^-8."""
+  TF32 pass on the H200, and by 3.1e-3 with three bf16 passes
+  (:meth:`core.Dot.split`, emulated on the CPU), against 2.0e-3 with three
+  TF32 passes and the tests' bound of 2^-8."""
   return functools.partial(
       dot, precision="ieee" if jnp.dtype(dtype) == jnp.float32 else None)
 
@@ -121,52 +115,10 @@ def store_blocks(ref, blocks, n: int):
           zero if x is None else x.astype(ref.dtype))
 
 
-def invert_by_doubling(m, mm):
-  """``(I + m)^-1`` for the strictly lower ``m [C, C]`` (C a power of two) by
-  recursive doubling: ``X``, the inverse of ``I + m``'s diagonal blocks of
-  size s, becomes that of size 2s as ``X - X (m * M_s) X``, ``M_s`` masking
-  each 2s-block's lower-left s-block (``D + E`` with ``(D^-1 E)^2 = 0``
-  inverts to ``D^-1 - D^-1 E D^-1``). These are block forward
-  substitution's values, stable for aligned keys (not a power series of
-  m), from ``log2(C) - 1`` pairs of ``[C, C]`` products ``mm``: no ``[16,
-  16]`` tiles to form and store. :mod:`deltajax.mosaic.ut` inverts the
-  same way on wgmmas."""
-  rows, cols = core.iota(m.shape, 0), core.iota(m.shape, 1)
-
-  def lower_left(size):
-    block = lambda x, s: lax.div(x, jnp.int32(s))
-    inside = ((block(rows, 2 * size) == block(cols, 2 * size))
-              & (block(rows, size) > block(cols, size)))
-    return jnp.where(inside, m, 0)
-
-  x = (rows == cols).astype(m.dtype) - lower_left(1)  # X = I at size 1
-  size = 2
-  while size < m.shape[0]:
-    x = x - mm(x, mm(lower_left(size), x))
-    size *= 2
-  return x
-
-
-def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, a_ref, t_ref, dot,
-                    method):
+def _inverse_kernel(*, k_ref, g_ref, b_ref, cuts_ref, a_ref, t_ref, dot):
   """One chunk: ``b [C]`` and either ``A [C, C]`` (a per-channel gate's,
   from :func:`intra.forward`) or ``k [C, K]``, ``g, cuts [C]`` -> ``T [C,
-  C]``, by ``method`` (:data:`INVERSE_METHODS`)."""
-  if method == "doubling":
-    acc = core.accumulator(k_ref.dtype)
-    if a_ref is not None:
-      m = a_ref[...].astype(acc)
-    else:
-      cuts = None if cuts_ref is None else cuts_ref[...]
-      g = g_ref[...].astype(acc)
-      m = dot(k_ref[...], k_ref[...], trans_b=True) * core.decay(
-          g, g, core.causal(k_ref.shape[0], strict=True), cuts, cuts)
-    # float32 products in the config's precision (three TF32 passes by
-    # default): with three bf16 passes, T erred by 2^-8 of its largest entry
-    # at b = 1.99 with identical keys (on the CPU, as on the GPU).
-    m = b_ref[...].astype(acc)[:, None] * m
-    t_ref[...] = invert_by_doubling(m, dot).astype(t_ref.dtype)
-    return
+  C]``, by 16-blocks (:func:`invert`)."""
   n = k_ref.shape[0] // SUB
   sub = [pl.ds(i * SUB, SUB) for i in range(n)]
   acc = core.accumulator(k_ref.dtype)
@@ -232,10 +184,6 @@ def inverse(*, k, g, b, cuts, a, heads, chunk_size, launch, interpret, dot):
     rows.
   """
   bsz, t_len, h, dk = k.shape
-  method = launch.method or INVERSE_METHODS[0]
-  if method not in INVERSE_METHODS:
-    raise ValueError(f"the UT inverse's method must be one of "
-                     f"{INVERSE_METHODS}; got {method!r}")
   qk, _, gate, square, _ = _chunk_specs(chunk_size, heads // h)
   return core.call(
       _inverse_kernel, grid=(bsz, heads, t_len // chunk_size),
@@ -244,8 +192,7 @@ def inverse(*, k, g, b, cuts, a, heads, chunk_size, launch, interpret, dot):
                   b_ref=(b, gate), cuts_ref=(cuts, gate), a_ref=(a, square)),
       outputs=dict(t_ref=(jax.ShapeDtypeStruct(
           (bsz, heads, t_len, chunk_size), k.dtype), square)),
-      launch=launch, interpret=interpret, name="deltajax_ut_inverse", dot=dot,
-      method=method)
+      launch=launch, interpret=interpret, name="deltajax_ut_inverse", dot=dot)
 
 
 def w_u(*, k, v, g, b, cuts, t, chunk_size, launch, interpret, dot):
