@@ -12,6 +12,7 @@ path, and the scan in pieces (:class:`deltajax.mosaic.Config`).
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -528,6 +529,24 @@ def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
   with pytest.raises(RuntimeError, match="needs 4; this process has 3"):
     compat._check_interpreter_threads(3)
   compat._check_interpreter_threads(2)
+
+
+@pytest.mark.parametrize("cpus,started,nproc,expected", [
+    (2, False, None, "4"), (8, False, None, None), (2, True, None, None),
+    (2, False, "16", "16")])
+def test_threads_reserved_before_the_runtime_starts(cpus, started, nproc,
+                                                   expected, monkeypatch):
+  """deltajax's import gives XLA's CPU runtime the interpreter's threads on a
+  machine of fewer CPUs, unless the runtime has started or NPROC is set."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cpus)))
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: started)
+  if nproc is None:
+    monkeypatch.delenv("NPROC", raising=False)
+  else:
+    monkeypatch.setenv("NPROC", nproc)
+  compat.reserve_interpreter_threads()
+  assert os.environ.get("NPROC") == expected
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
