@@ -494,8 +494,9 @@ def gdn2(q, k, v, a, b, w, *, scale=None, initial_state=None,
     The other arguments as in :func:`gated_delta`; the rank-2 form takes
     ``a, b [T, K]``, ``w [T, V]``.
 
-  Implementations: all; ``impl="auto"`` picks "scan" or "chunked" (the
-  Pallas kernels run it when asked for by name, until timed on a GPU).
+  Implementations: "scan", "chunked" and "pallas"; ``impl="auto"`` picks
+  "pallas" on NVIDIA GPUs of compute capability >= 8.0, else "scan" or
+  "chunked" (:func:`registry.select`).
 
   Returns:
     ``o`` ``[B, T, HV, V]`` in v's dtype, or ``(o, final_state)``.
