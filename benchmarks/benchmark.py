@@ -43,8 +43,9 @@ import deltajax
 from deltajax import mosaic
 from deltajax import pallas
 
-DEFAULT_SHAPES = ((4, 4096, 16, 128), (4, 2048, 16, 128), (2, 16384, 16, 128),
-                  (1, 8192, 96, 128), (8, 1024, 8, 64))
+# The shapes of RESULTS.md's tables.
+DEFAULT_SHAPES = ((4, 4096, 16, 128), (8, 1024, 8, 64), (2, 4096, 16, 32, 128),
+                  (1, 8192, 96, 128), (16, 4096, 32, 128), (1, 65536, 16, 128))
 SCAN_MAX_TOKENS = 4 * 4096 * 16  # B*T*H above which the token scan is skipped
 
 
@@ -435,8 +436,8 @@ def plot(rows, path):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="*", default=None,
-                      help="B,T,H,D or B,T,H,HV,D entries (default: the "
-                      "issue's list)")
+                      help="B,T,H,D or B,T,H,HV,D entries (default: "
+                      "RESULTS.md's shapes)")
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--gate", choices=("gdn", "kda", "gdn2"), default="gdn")
   parser.add_argument("--peers", nargs="*", default=("jla", "fla"),
