@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.benchmark import make_inputs, median_ms
-from deltajax.pallas import core, intra, ops, output, state, ut
+from deltajax import stages
+from deltajax.pallas import core, intra, output, reverse, scan, ut
+from deltajax.pallas import ut_backward
 
 VARIANTS = {
     "inverse": [core.Launch(num_warps=w, num_stages=1) for w in (1, 2, 4)],
@@ -51,9 +53,9 @@ def stage_inputs(shape, gate="gdn", c=64):
   q, k, v, a, b, do = make_inputs(shape, gate=gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a = jnp.asarray(a) if channel else jnp.asarray(a)[..., None]
-  g, beta, _, decayed = ops.gates(a, jnp.asarray(b), None, c, jnp.float32,
-                                  shape[3], False, from_start=(q, k),
-                                  to_end=(k,))
+  g, beta, _, decayed = stages.gates(a, jnp.asarray(b), None, c,
+                                     jnp.float32, shape[3], False,
+                                     from_start=(q, k), to_end=(k,))
   qg, kg, kd = decayed or (None, None, None)
   s0 = jnp.zeros((shape[0], shape[2], shape[3], shape[3]), jnp.float32)
   config = core.Config(interpret=False)
@@ -61,13 +63,13 @@ def stage_inputs(shape, gate="gdn", c=64):
       fn, chunk_size=c, interpret=False, dot=config.dot, **kw)
   calls = {
       "inverse": fixed(ut.inverse, heads=shape[2]),
-      "forward_scan": fixed(state.forward_scan),
+      "forward_scan": fixed(scan.forward),
       "output": fixed(output.output, scale=0.1, out_dtype=v.dtype),
       "w_u": fixed(ut.w_u),
       "output_backward": (fixed(output.delta_backward) if channel else
                           fixed(output.output_backward, scale=0.1)),
-      "backward_scan": fixed(state.backward_scan, scale=0.1),
-      "ut_backward": fixed(ut.ut_backward),
+      "backward_scan": fixed(reverse.backward, scale=0.1),
+      "ut_backward": fixed(ut_backward.ut_backward),
   }
   if channel:
     calls["intra"] = fixed(intra.forward, heads=shape[2], scale=0.1)

@@ -2,7 +2,7 @@
 tests/test_gpu.py).
 
 The interpreter checks the kernels' data movement and arithmetic, not their
-register layouts or wgmma operand forms (deltajax/mosaic/compat.py): the
+register layouts or wgmma operand forms (deltajax/mosaic/core.py): the
 tests that lower for CUDA check those, without a GPU. The products take
 16-bit operands, so every check is at fla's tolerances against float64 on
 the same rounded inputs. Each path runs on small shapes: the per-head
@@ -24,6 +24,7 @@ from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import chunk_backward
 from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import intra
 from deltajax.mosaic import ops
 from deltajax.mosaic import output
@@ -192,7 +193,7 @@ def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
   """Traces the default path as compiled for the GPU (the interpreter
   off): abstract ``(q, k, v, a, b, h0)`` at ``[1, t, ., dim]``."""
   monkeypatch.setattr(ops, "_mosaic_gpu",
-                      lambda: compat.Mosaic(interpret=False))
+                      lambda: core.Mosaic(interpret=False))
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   keys = shape(1, t, kv_heads, dim)
@@ -335,7 +336,7 @@ def test_reverse_per_channel_matches_float64(dk, dv):
           bf16(0.1 * normal(1, 192, 2, dv)),
           jnp.asarray(0.1 * normal(1, 192, 2, dv), jnp.float32),
           jnp.asarray(normal(1, 2, dk, dv), jnp.float32))
-  mg = compat.Mosaic(interpret=True)
+  mg = core.Mosaic(interpret=True)
   got = reverse.backward(mg, *args, scale=0.1, per_channel=True)
   for name, x, want in zip(("d_delta", "d_next", "d_initial"), got,
                            _reverse_reference(*args, scale=0.1)):
@@ -379,8 +380,8 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
   impl="mosaic"'s adapter refuses read keys."""
   x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
                              dv)
-  got = ut_backward.ut_backward(compat.Mosaic(interpret=True), **x)
-  got += (ut.w(compat.Mosaic(interpret=True),
+  got = ut_backward.ut_backward(core.Mosaic(interpret=True), **x)
+  got += (ut.w(core.Mosaic(interpret=True),
                *(x[n] for n in ("k", "g", "b", "t")), heads=value_heads),)
   with jax.enable_x64(True):
     wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
@@ -391,8 +392,9 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
     w, u = pallas.ut.w_u(
         **{n: wide[n] for n in ("k", "v", "g", "b", "t")},
         launch=launch("w_u"), **shared)
-    want = pallas.ut.ut_backward(**wide, w=w, u=u, dk_out=None, dg_out=None,
-                                 launch=launch("ut_backward"), **shared)
+    want = pallas.ut_backward.ut_backward(
+        **wide, w=w, u=u, dk_out=None, dg_out=None,
+        launch=launch("ut_backward"), **shared)
   for name, y, ref in zip(("dk", "dv", "db", "dg", "dm", "w"), got,
                           (*want, w)):
     assert y.shape == ref.shape, name
@@ -400,7 +402,7 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
                                    np.asarray(ref, np.float64))
     assert err < 5e-3, (name, err)
   with pytest.raises(ValueError, match="no read keys"):
-    ops._ut(compat.Mosaic(interpret=True), **x, dk_out=None, dg_out=None,
+    ops._ut(core.Mosaic(interpret=True), **x, dk_out=None, dg_out=None,
             kr=x["k"])
 
 
@@ -411,7 +413,7 @@ def test_per_channel_ut_backward_has_no_races():
   once and runs a warpgroup as one thread: neither a copy out's wait nor
   a warpgroup barrier is checked.)"""
   x = _per_channel_ut_inputs(5, 1, 1, 128, 128)
-  mg = compat.Mosaic(interpret=True, detect_races=True)
+  mg = core.Mosaic(interpret=True, detect_races=True)
   jax.block_until_ready(ut_backward.ut_backward(mg, **x))
   assert not compat.races_found()
 
@@ -429,7 +431,7 @@ def test_chunk_backward_has_no_races():
           jnp.asarray(rng.random((1, 1, 64)), jnp.float32),
           bf16(1, 1, 64, 64), bf16(1, 1, 1, 128, 128),
           bf16(1, 1, 1, 128, 128), bf16(1, 64, 1, 128))
-  mg = compat.Mosaic(interpret=True, detect_races=True)
+  mg = core.Mosaic(interpret=True, detect_races=True)
   jax.block_until_ready(chunk_backward.chunk_backward(mg, *args, scale=0.1))
   assert not compat.races_found()
 
@@ -486,7 +488,7 @@ def test_intra_backward_has_no_races():
   at K = V = 128: its value blocks' tiles reloaded once read, and dk_in and
   dg_in arriving in their place after the last."""
   x = _intra_inputs(6, 1, 1, 128, 128)
-  mg = compat.Mosaic(interpret=True, detect_races=True)
+  mg = core.Mosaic(interpret=True, detect_races=True)
   jax.block_until_ready(intra.backward(
       mg, *(x[n] for n in ops._INTRA_ARGS), scale=0.3))
   assert not compat.races_found()
@@ -508,7 +510,7 @@ def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra_backward", per_channel=True),
                 scale=0.3, dkr=None)
-  got = ops._intra(compat.Mosaic(interpret=True), **x, **shared, kr=None)
+  got = ops._intra(core.Mosaic(interpret=True), **x, **shared, kr=None)
   with jax.enable_x64(True):
     want = pallas.intra.backward(
         **{n: jnp.asarray(y, jnp.float64) for n, y in x.items()}, **shared)
@@ -519,7 +521,7 @@ def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
     assert err < 5e-3, (name, err)
   assert not np.any(np.asarray(got[2])[0, 0, :, :dk // 4])
   with pytest.raises(ValueError, match="no read keys"):
-    ops._intra(compat.Mosaic(interpret=True), **x, **shared, kr=x["k"])
+    ops._intra(core.Mosaic(interpret=True), **x, **shared, kr=x["k"])
 
 
 def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
@@ -527,8 +529,8 @@ def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
   the interpreter would wait forever at the first barrier: refused."""
   monkeypatch.setenv("NPROC", "3")
   with pytest.raises(RuntimeError, match="needs 4; this process has 3"):
-    compat._check_interpreter_threads(3)
-  compat._check_interpreter_threads(2)
+    core._check_interpreter_threads(3)
+  core._check_interpreter_threads(2)
 
 
 @pytest.mark.parametrize("cpus,started,nproc,expected", [
@@ -568,7 +570,7 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
 
   def kernels(interpret):
     monkeypatch.setattr(ops, "_mosaic_gpu",
-                        lambda: compat.Mosaic(interpret=interpret))
+                        lambda: core.Mosaic(interpret=interpret))
     return _kernel_names(
         jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*args).jaxpr)
 
@@ -617,7 +619,7 @@ def _lowerings(schedule):
   """``[(fn, abstract args)]``: the kernels of ``schedule``'s path, each
   at K = V = 128 (two V blocks) with grouped value heads, and at the other
   widths where they differ."""
-  mg = compat.Mosaic(interpret=False)
+  mg = core.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   keys, vec = shape(1, 128, 1, 128), f32(1, 2, 128)
@@ -739,7 +741,7 @@ def test_ut_backward_shared_memory():
   97 KB with bfloat16 dk_out and dk, 105 KB with grouped value heads'
   float32 dk; so do two of the scores' backward. Measured from the
   lowering for CUDA."""
-  mg = compat.Mosaic(interpret=False)
+  mg = core.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   fn = lambda *x: ut_backward.ut_backward(mg, *x)
   vec, values = shape(1, 2, 128, dtype=jnp.float32), shape(1, 128, 2, 128)

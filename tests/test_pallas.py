@@ -13,8 +13,8 @@ import pytest
 import deltajax
 from deltajax import pallas
 from deltajax import registry
+from deltajax import stages
 from deltajax.pallas import core
-from deltajax.pallas import ops
 from deltajax.pallas import intra
 from deltajax.pallas import ut
 import utils
@@ -170,7 +170,7 @@ def test_pallas_mixed_input_dtypes():
   args, cts = _inputs((1, 40, 1, 16, 16), seed=11)
   dtypes = (jnp.bfloat16, jnp.bfloat16) + (jnp.float32,) * 4
   args = tuple(jnp.asarray(x, d) for x, d in zip(args, dtypes))
-  q, k, v = ops._padded(*args[:3])  # pylint: disable=protected-access
+  q, k, v = stages.padded(*args[:3])
   assert q.dtype == k.dtype == v.dtype == jnp.float32
   got, got_grads = _value_and_grads("pallas", args, cts, 16)
   ref, ref_grads = _value_and_grads("chunked", args, cts, 16)

@@ -42,9 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import ut
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 from deltajax.mosaic.ut import C
 
 _FIRST = 8  # TMA copies WG0 waits for first: k, v, T, S, the gate, beta twice
@@ -97,23 +97,23 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
   @pl.when(wg == 0)
   def _output():
     _enter(mg, 0)
-    compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                    (v_ref.at[bi, tokens, h], v_s),
-                    (t_ref.at[bi, h, tokens], t_s),
-                    (s_ref.at[bi, h, n], s_s),
-                    (g_ref.at[bi, h, tokens], g_rows),
-                    (g_ref.at[bi, h, tokens], g_cols),
-                    (b_ref.at[bi, h, tokens], b_rows),
-                    (b_ref.at[bi, h, tokens], b_cols)), first)
-    compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
-                    (do_ref.at[bi, tokens, h], do_s),
-                    (dn_ref.at[bi, h, n], dn_s)), second)
+    core.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                  (v_ref.at[bi, tokens, h], v_s),
+                  (t_ref.at[bi, h, tokens], t_s),
+                  (s_ref.at[bi, h, n], s_s),
+                  (g_ref.at[bi, h, tokens], g_rows),
+                  (g_ref.at[bi, h, tokens], g_cols),
+                  (b_ref.at[bi, h, tokens], b_rows),
+                  (b_ref.at[bi, h, tokens], b_cols)), first)
+    core.copy_in(((q_ref.at[bi, tokens, hk], q_s),
+                  (do_ref.at[bi, tokens, h], do_s),
+                  (dn_ref.at[bi, h, n], dn_s)), second)
     plgpu.barrier_wait(first)
     g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
     for vs in v_blocks:
       k_state = mg.mm([(k_s, s_s.at[:, vs])], v_tile)
-      y_s.at[:, vs][...] = (compat.rows(beta, v_tile) * (
-          load(v_s.at[:, vs]) - compat.rows(jnp.exp(g), v_tile) * k_state)
+      y_s.at[:, vs][...] = (core.rows(beta, v_tile) * (
+          load(v_s.at[:, vs]) - core.rows(jnp.exp(g), v_tile) * k_state)
                             ).astype(y_s.dtype)
     plgpu.commit_smem()
     for vs in v_blocks:
@@ -124,16 +124,16 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.barrier_wait(second)
     # One product at a time (this warpgroup is off the critical path, and
     # so holds few registers).
-    dp = mg.mm([(do_s, compat.T(delta_s))], square)
-    dp_s[...] = (scale * compat.decay(mg, g, mg.load(g_cols, COLS)) * dp
+    dp = mg.mm([(do_s, core.T(delta_s))], square)
+    dp_s[...] = (scale * core.decay(mg, g, mg.load(g_cols, COLS)) * dp
                  ).astype(dp_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(dp_ready)
     dgq = 0
     for ks in k_blocks:  # Y was read: dq is staged in its tile where K = V
-      dq = mg.mm([(do_s, compat.T(s_s.at[ks, :]))], k_tile)
+      dq = mg.mm([(do_s, core.T(s_s.at[ks, :]))], k_tile)
       dq = mg.mm([(dp_s, k_s.at[:, ks])], k_tile,
-                 compat.rows(scale * jnp.exp(g), k_tile) * dq)
+                 core.rows(scale * jnp.exp(g), k_tile) * dq)
       dgq += jnp.sum(load(q_s.at[:, ks]) * dq, axis=1)
       dq_s.at[:, ks][...] = dq.astype(dq_s.dtype)
     dgq_s[...] = dgq
@@ -147,16 +147,16 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     _enter(mg, 1, first, second)
     g, beta = mg.load(g_rows, ROWS), mg.load(b_rows, ROWS)
     # P^T: the keys' rows, the queries' columns.
-    p_t = scale * compat.decay(mg, g, mg.load(g_cols, COLS),
-                               transposed=True) * mg.mm(
-                                   [(k_s, compat.T(q_s))], square)
+    p_t = scale * core.decay(mg, g, mg.load(g_cols, COLS),
+                             transposed=True) * mg.mm(
+                                 [(k_s, core.T(q_s))], square)
     local, kds = mg.products([([(p_t.astype(k_s.dtype), do_s)], vals, None),
                               ([(k_s, dn_s)], vals, None)])
-    dd_s[...] = (local + compat.rows(jnp.exp(g_end() - g), vals) * kds
+    dd_s[...] = (local + core.rows(jnp.exp(g_end() - g), vals) * kds
                  ).astype(dd_s.dtype)
     plgpu.commit_smem()
-    d_xv, minus_dw = mg.products([([(compat.T(t_s), dd_s)], vals, None),
-                                  ([(dd_s, compat.T(s_s))], keys, None)])
+    d_xv, minus_dw = mg.products([([(core.T(t_s), dd_s)], vals, None),
+                                  ([(dd_s, core.T(s_s))], keys, None)])
     dw_s[...] = (-minus_dw).astype(dw_s.dtype)  # dDelta read
     plgpu.commit_smem()
     plgpu.barrier_arrive(dw_ready)
@@ -164,17 +164,17 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     # the next products (at K = V = 128, float32 dX_v held through them
     # left ptxas too few registers for the wgmmas).
     db = jnp.sum(d_xv * load(v_s), axis=1)
-    dv = (compat.rows(beta, vals) * d_xv).astype(v_s.dtype)
+    dv = (core.rows(beta, vals) * d_xv).astype(v_s.dtype)
     d_xk, z = mg.products([
-        ([(compat.T(t_s), dw_s)], keys, None),
-        ([(d_xv.astype(v_s.dtype), compat.T(v_s))], square, None)])
+        ([(core.T(t_s), dw_s)], keys, None),
+        ([(d_xv.astype(v_s.dtype), core.T(v_s))], square, None)])
     plgpu.barrier_wait(delta_ready)  # WG0 has read v
     v_s[...] = dv
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(v_s, dv_ref.at[bi, tokens, h])
-    d_xk_kg = jnp.sum(d_xk * load(k_s) * compat.rows(jnp.exp(g), keys),
+    d_xk_kg = jnp.sum(d_xk * load(k_s) * core.rows(jnp.exp(g), keys),
                       axis=1)
-    z_k = mg.mm([(d_xk.astype(k_s.dtype), compat.T(k_s))], square)
+    z_k = mg.mm([(d_xk.astype(k_s.dtype), core.T(k_s))], square)
     dg1_s[...] = beta * d_xk_kg
     plgpu.commit_smem()
     plgpu.barrier_arrive(dg1_ready)
@@ -185,16 +185,16 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
                + z_k * lax.broadcast_in_dim(
                    beta_col * jnp.exp(mg.load(g_cols, COLS)), square, [1]))
     r_hi, r_lo = ut.halves(bracket, k_s.dtype)
-    minus_dm, kk = mg.products([([(r_hi, compat.T(t_s)),
-                                  (r_lo, compat.T(t_s))], square, None),
-                                ([(k_s, compat.T(k_s))], square, None)])
-    gamma = compat.decay(mg, g, mg.load(g_cols, COLS), strict=True)
-    de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
+    minus_dm, kk = mg.products([([(r_hi, core.T(t_s)),
+                                  (r_lo, core.T(t_s))], square, None),
+                                ([(k_s, core.T(k_s))], square, None)])
+    gamma = core.decay(mg, g, mg.load(g_cols, COLS), strict=True)
+    de_s[...] = (-core.rows(beta, square) * minus_dm * gamma).astype(
         de_s.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(de_ready)
-    compat.copy_out(db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1),
-                    db_s, db_ref.at[bi, h, tokens])
+    core.copy_out(db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1),
+                  db_s, db_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -210,23 +210,23 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
         ds_sum = part if ds_sum is None else ds_sum + part
     g = mg.load(g_rows, ROWS)
     plgpu.barrier_wait(delta_ready)
-    (d_k_end,) = mg.products([([(delta_s, compat.T(dn_s))], keys, None)])
-    minus = compat.rows(jnp.exp(g_end() - g), keys) * d_k_end
+    (d_k_end,) = mg.products([([(delta_s, core.T(dn_s))], keys, None)])
+    minus = core.rows(jnp.exp(g_end() - g), keys) * d_k_end
     end_share = jnp.sum(load(k_s) * minus, axis=1)
     # dX_k = T^T dW again (WG1 forms it too, for its products), so that
     # its share of dk is not rounded to 16 bits.
     plgpu.barrier_wait(dw_ready)
-    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
-    plus = compat.rows(mg.load(b_rows, ROWS) * jnp.exp(g), keys) * d_xk
+    (d_xk,) = mg.products([([(core.T(t_s), dw_s)], keys, None)])
+    plus = core.rows(mg.load(b_rows, ROWS) * jnp.exp(g), keys) * d_xk
     dg = -jnp.sum(load(k_s) * plus, axis=1)  # WG1 has this share
     plgpu.barrier_wait(dp_ready)
     plgpu.barrier_wait(de_ready)
     minus, plus = mg.products([
-        ([(compat.T(dp_s), q_s), (compat.T(de_s), k_s)], keys, minus),
+        ([(core.T(dp_s), q_s), (core.T(de_s), k_s)], keys, minus),
         ([(de_s, k_s)], keys, plus)])
     dg = dg + jnp.sum(load(k_s) * (plus - minus), axis=1)
     dk = plus + minus
-    compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
+    core.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
     # S' = e^{g_C} S + ...: g_C's share, which every da_i gets.
     g_end_share = (ut.column_sums(mg, end_share, vec_s, C)
                    + jnp.exp(g_end()) * ut.column_sums(mg, ds_sum, vec_s, C))
@@ -234,7 +234,7 @@ def _body(mg, q_ref, k_ref, v_ref, do_ref, t_ref, g_ref, b_ref, s_ref,
     plgpu.barrier_wait(dg1_ready)
     dg = dg + mg.load(dgq_s, ROWS) + mg.load(dg1_s, ROWS)
     da = ut.column_sums(mg, dg, vec_s, None) + g_end_share
-    compat.copy_out(da, vec_s, da_ref.at[bi, h, tokens])
+    core.copy_out(da, vec_s, da_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (as the scan's).
@@ -246,7 +246,7 @@ def chunk_backward(mg, q, k, v, g, b, t, states, d_next, d_o, *, scale):
   """The cotangents of q, k, v, beta and the gate, chunk by chunk.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``; v, d_o: ``[B, T, HV, V]``; t: ``[B, HV, T,
       C]``; states, d_next: ``[B, HV, T / C, K, V]`` (the chunks' entry
       states and their exit states' cotangents): one 16-bit dtype; K and V
@@ -266,8 +266,8 @@ def chunk_backward(mg, q, k, v, g, b, t, states, d_next, d_o, *, scale):
     raise ValueError(f"chunk_backward needs K, V in (64, 128); got {dk}, "
                      f"{dv}")
   dtype, f32 = q.dtype, jnp.float32
-  keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
-  square, state = compat.smem((C, C), dtype), compat.smem((dk, dv), dtype)
+  keys, vals = core.smem((C, dk), dtype), core.smem((C, dv), dtype)
+  square, state = core.smem((C, C), dtype), core.smem((dk, dv), dtype)
   vec = plgpu.SMEM((C,), f32)
   once = lambda n=1: plgpu.Barrier(num_arrivals=n)
   # q, k, v, dO, T, S, dS', the gate and beta twice; Y, Delta, dDelta, dP~,

@@ -47,9 +47,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax import common
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import ut
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
@@ -83,9 +83,9 @@ def _value_blocks(mg, refs, at, bar, block_bar, prepare):
   def scope(do_s, delta_s, s_s):
     def load_block(j):
       cols = pl.ds(j * BV, BV)
-      compat.copy_in(((do_ref.at[bi, tokens, h, cols], do_s),
-                      (delta_ref.at[bi, tokens, h, cols], delta_s),
-                      (s_ref.at[bi, h, n, channels, cols], s_s)), block_bar)
+      core.copy_in(((do_ref.at[bi, tokens, h, cols], do_s),
+                    (delta_ref.at[bi, tokens, h, cols], delta_s),
+                    (s_ref.at[bi, h, n, channels, cols], s_s)), block_bar)
 
     load_block(0)
     plgpu.barrier_wait(bar)
@@ -94,14 +94,14 @@ def _value_blocks(mg, refs, at, bar, block_bar, prepare):
     n_blocks = do_ref.shape[-1] // BV
     for j in range(n_blocks):
       plgpu.barrier_wait(block_bar)
-      d_p, read = mg.products([([(do_s, compat.T(delta_s))], (C, C), d_p),
-                               ([(do_s, compat.T(s_s))], (C, KB), read)])
+      d_p, read = mg.products([([(do_s, core.T(delta_s))], (C, C), d_p),
+                               ([(do_s, core.T(s_s))], (C, KB), read)])
       if j + 1 < n_blocks:  # this block's tiles are read
         load_block(j + 1)
     return d_p, read
 
-  tile = compat.smem((C, BV), do_ref.dtype)
-  return pl.run_scoped(scope, tile, tile, compat.smem((KB, BV), s_ref.dtype))
+  tile = core.smem((C, BV), do_ref.dtype)
+  return pl.run_scoped(scope, tile, tile, core.smem((KB, BV), s_ref.dtype))
 
 
 def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
@@ -113,14 +113,14 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
   h, m = lax.div(lax.axis_index("h"), blocks), lax.rem(lax.axis_index("h"),
                                                        blocks)
   tokens, channels, hk = pl.ds(n * C, C), pl.ds(m * KB, KB), lax.div(h, groups)
-  compat.copy_in(((q_ref.at[bi, tokens, hk, channels], q_s),
-                  (k_ref.at[bi, tokens, hk, channels], k_s),
-                  (g_ref.at[bi, h, tokens, channels], g_s),
-                  (g_ref.at[bi, h, n * C, channels], g_first),
-                  (g_ref.at[bi, h, n * C + C - 1, channels], g_last),
-                  (a_ref.at[bi, n * C, h, channels], a_first),
-                  (b_ref.at[bi, h, tokens], b_s),
-                  (dm_ref.at[bi, h, tokens], dm_s)), bar)
+  core.copy_in(((q_ref.at[bi, tokens, hk, channels], q_s),
+                (k_ref.at[bi, tokens, hk, channels], k_s),
+                (g_ref.at[bi, h, tokens, channels], g_s),
+                (g_ref.at[bi, h, n * C, channels], g_first),
+                (g_ref.at[bi, h, n * C + C - 1, channels], g_last),
+                (a_ref.at[bi, n * C, h, channels], a_first),
+                (b_ref.at[bi, h, tokens], b_s),
+                (dm_ref.at[bi, h, tokens], dm_s)), bar)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
@@ -132,7 +132,7 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
 
   def prepare():
     """The decayed operands' tiles, and dM masked to its pairs in place."""
-    r, beta = reference(), compat.rows(mg.load(b_s, ROWS), keys)
+    r, beta = reference(), core.rows(mg.load(b_s, ROWS), keys)
     g = mg.load(g_s, WGMMA)
     up = jnp.exp(g - r)
     kd_s[...] = (load(k_s) * jnp.exp(r - g)).astype(kd_s.dtype)
@@ -146,15 +146,15 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
   def finish(dkin_s, dgin_s, dq_s):
     """dq, dk, db and da, with dk_in and dg_in arriving in the value
     blocks' place."""
-    compat.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
-                    (dgin_ref.at[bi, h, tokens, channels], dgin_s)),
-                   late_bar)
+    core.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
+                  (dgin_ref.at[bi, h, tokens, channels], dgin_s)),
+                 late_bar)
     dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
     plgpu.commit_smem()
     dq, u, dy = mg.products([
         ([(dp_s, kd_s)], keys, None),
         ([(dm_s, kd_s)], keys, None),
-        ([(compat.T(dp_s), qu_s), (compat.T(dm_s), bku_s)], keys, None)])
+        ([(core.T(dp_s), qu_s), (core.T(dm_s), bku_s)], keys, None)])
     r, g = reference(), mg.load(g_s, WGMMA)
     up = jnp.exp(g - r)
     dq = scale * (up * dq + jnp.exp(g) * read)
@@ -167,7 +167,7 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     u = u * up
     dy = dy * jnp.exp(r - g)
     db_s[...] = jnp.sum(k * u, axis=1)
-    dk_a = compat.rows(mg.load(b_s, ROWS), keys) * u
+    dk_a = core.rows(mg.load(b_s, ROWS), keys) * u
     plgpu.barrier_wait(late_bar)
     dk = load(dkin_s) + dk_a + dy
     dg = load(dgin_s) + q_dq + k * (dk_a - dy)
@@ -193,7 +193,7 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     plgpu.copy_smem_to_gmem(dgin_s, da_ref.at[bi, tokens, h, channels])
     plgpu.wait_smem_to_gmem(0)
 
-  f32_tile = compat.smem(keys, jnp.float32)
+  f32_tile = core.smem(keys, jnp.float32)
   if jnp.dtype(out_dtype) == jnp.float32:  # dq's float32 staging tile too
     pl.run_scoped(finish, f32_tile, f32_tile, f32_tile)
   else:
@@ -207,7 +207,7 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
   kernels' shares.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``; d_o, delta: ``[B, T, HV, V]``; states: ``[B, HV,
       T / C, K, V]``: one 16-bit dtype, K and V in {64, 128}, T a multiple
       of 64.
@@ -236,9 +236,9 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
   d_m = d_m.astype(OPERANDS)  # rounded as the products round it
   keys, square = (C, KB), (C, C)
   vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
-  tile, operand = compat.smem(keys, dtype), compat.smem(keys, OPERANDS)
-  scratch = [tile, tile, compat.smem(keys, f32), operand, operand, operand,
-             compat.smem(square, OPERANDS), compat.smem(square, OPERANDS),
+  tile, operand = core.smem(keys, dtype), core.smem(keys, OPERANDS)
+  scratch = [tile, tile, core.smem(keys, f32), operand, operand, operand,
+             core.smem(square, OPERANDS), core.smem(square, OPERANDS),
              key_vec, key_vec, key_vec, vec, vec,
              plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),

@@ -13,8 +13,8 @@ Forward: the UT inverse T of every chunk (the Pallas kernel
 :func:`deltajax.pallas.ut.inverse`, parallel over chunks) ->
 :func:`scan.forward`, the state scan and the output fused, sequential over
 chunks, in three warpgroups (schedule "specialized": the state's, the
-output's, the loads'). Backward (the steps of
-:func:`deltajax.pallas.ops.backward`): the reverse state pass in three
+output's, the loads'). Backward (:func:`deltajax.stages.backward` on this
+module's stages): the reverse state pass in three
 warpgroups that forms W and the output's share of dDelta itself
 (:func:`reverse.specialized`), then the output's backward and the backward
 through the UT transform as one kernel of three warpgroups
@@ -36,7 +36,7 @@ e^{g_C - g}``, the intra-chunk scores and T
 (:func:`deltajax.pallas.ops.before_scan`), as ``impl="pallas"`` does; the
 scan and the output are :func:`scan.forward`'s in schedule "one". The
 forward under differentiation keeps the gate and the decayed operands for
-the backward. The backward is :func:`deltajax.pallas.ops.backward` on
+the backward. The backward is :func:`deltajax.stages.backward` on
 those residuals (with P) with W, the reverse state pass and the backward
 through the UT transform in Mosaic GPU (:func:`ut.w`,
 :func:`reverse.backward` on the decayed operands,
@@ -63,14 +63,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from deltajax import common
+from deltajax import stages
 from deltajax.mosaic import chunk_backward
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import intra
 from deltajax.mosaic import output
 from deltajax.mosaic import reverse
@@ -215,7 +215,7 @@ def _width(d):
 
 def _mosaic_gpu():
   """Compiled on a GPU, interpreted elsewhere."""
-  return compat.Mosaic(interpret=jax.default_backend() != "gpu")
+  return core.Mosaic(interpret=jax.default_backend() != "gpu")
 
 
 def _pallas_config():
@@ -272,7 +272,7 @@ def _padded(q, k, v, a, initial_state):
   if a.shape[-1] > 1:
     a = common.pad_axis(a, 3, kw)
   return (q, k, common.pad_axis(v, 3, vw), a,
-          pallas_ops.pad_state(initial_state, kw, vw))
+          stages.pad_state(initial_state, kw, vw))
 
 
 def _forward(plan, scale, q, k, v, a, b, initial_state, save):
@@ -287,8 +287,8 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
         scale, q, k, a, b, keep_g=save)
   else:
-    g, beta, _, _ = pallas_ops.gates(a, b, None, CHUNK, jnp.float32,
-                                     q.shape[-1], mg.interpret)
+    g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
+                                 q.shape[-1], mg.interpret)
     t, channel = _inverse(mg, k, g, beta, v.shape[2]), None
   maps = None
   if pieces > 1:
@@ -309,8 +309,9 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   kept = None
   if g_whole is not None:  # Q e^g and K e^{g_C - g} with g
     kept = (g_whole, q, channel[0])
-  return outputs, ((t, states, delta,
-                    None if channel is None else channel[1], kept), maps)
+  return outputs, (dict(t=t, states=states, delta=delta,
+                        p=None if channel is None else channel[1],
+                        kept=kept), maps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -326,60 +327,44 @@ def _fwd(scale, plan, q, k, v, a, b, initial_state):
                                     initial_state, save=True)
   # The backward runs on the padded inputs: its kernels' widths too.
   q, k, v, a, initial_state = _padded(q, k, v, a, initial_state)
-  return outputs, ((q, k, v, a, b, initial_state, None, None, None, saved),
-                   maps)
+  return outputs, (stages.Residuals(q, k, v, a, b, initial_state, cut=None,
+                                    chunk_seq=None, kr=None, **saved), maps)
 
 
-# The backward's Mosaic GPU kernels under the signatures of the Pallas
-# kernels they replace in :func:`deltajax.pallas.ops.backward` (their
-# keyword arguments; the Pallas launch ones are not read).
-
-
-class _WFromT(NamedTuple):
-  """W left to the reverse pass (:func:`reverse.specialized`), which forms
-  it from T and beta."""
-  t: jax.Array
-  beta: jax.Array
-
-
-class _Output(NamedTuple):
-  """The output's backward left to :func:`chunk_backward.chunk_backward`
-  (in place of its share of dk): its inputs that ut_backward lacks."""
-  q: jax.Array
-  d_o: jax.Array
-  scale: float
+# The backward's stages (:class:`stages.Stages`) in Mosaic GPU, under their
+# keyword arguments (the Pallas launch ones are not read).
 
 
 def _w_u(mg, *, k, v, g, b, t, fused, **_):
   """W from :func:`ut.w` (the Mosaic ut_backward forms U's share itself:
-  None in its place), or where ``fused`` T and beta for
-  :func:`reverse.specialized`."""
+  None in its place), or where ``fused`` neither: the reverse pass
+  (:func:`reverse.specialized`) forms W from T and beta."""
   del v
   if fused:
-    return _WFromT(t, b), None
+    return None, None
   return ut.w(mg, k, g, b, t, heads=t.shape[1]), None
 
 
 def _output(mg, *, q, k, g, states, delta, d_o, scale, fused, **_):
-  """:func:`output.output_backward`, or where ``fused`` its inputs for
-  :func:`_ut` (:func:`chunk_backward.chunk_backward` forms its results and
-  ut_backward's)."""
+  """:func:`output.output_backward`, or where ``fused`` nothing: the reverse
+  pass forms dDelta_local, :func:`_ut` (:func:`chunk_backward.chunk_backward`)
+  the rest."""
   if fused:
-    return None, None, None, _Output(q, d_o, scale)
+    return None, None, None, None
   return output.output_backward(mg, q, k, g, states, delta, d_o, scale=scale)
 
 
-def _reverse(mg, *, q, k, w, g, d_o, d_delta_local, d_final, scale, decayed,
-             maps, **_):
+def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
+             decayed, maps, **_):
   """:func:`reverse.backward`: per channel (``decayed``: ``(Q e^g, K
   e^{g_C - g})``; g at each chunk's end) those in place of q and k;
-  :func:`reverse.specialized` where W is left to it (it forms
-  dDelta_local too, and writes no dDelta). With ``maps`` (of the forward's
-  pieces but the first, ``[P - 1, B, HV, K, K]``), in those pieces
-  (:func:`_reverse_in_pieces`)."""
-  if isinstance(w, _WFromT):
-    run = functools.partial(reverse.specialized, mg, q, k, w.t, g, w.beta,
-                            d_o, scale=scale)
+  :func:`reverse.specialized` where W is left to it (w None: it forms W
+  from t and beta b, dDelta_local too, and writes no dDelta). With
+  ``maps`` (of the forward's pieces but the first, ``[P - 1, B, HV, K,
+  K]``), in those pieces (:func:`_reverse_in_pieces`)."""
+  if w is None:
+    run = functools.partial(reverse.specialized, mg, q, k, t, g, b, d_o,
+                            scale=scale)
   else:
     if decayed is not None:
       q, k = decayed
@@ -414,18 +399,18 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
 
 
 def _ut(mg, *, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
-        dg_out, kr, **_):
-  """:func:`ut_backward.ut_backward` on the Pallas kernel's arguments (per
-  channel too: dk_out and dg_out None, dM returned after dg); read keys
-  ``kr`` (Gated DeltaNet-2's) are refused. Where the output's backward was
-  left to it (:class:`_Output`), :func:`chunk_backward.chunk_backward`,
-  with dq last."""
+        dg_out, kr, q=None, d_o=None, scale=None, **_):
+  """:func:`ut_backward.ut_backward` on the stage's arguments (per channel
+  too: dk_out and dg_out None, dM returned after dg); read keys ``kr``
+  (Gated DeltaNet-2's) are refused. Where the output's backward was left
+  to it (a per-head gate with dk_out None),
+  :func:`chunk_backward.chunk_backward` on q, d_o and scale, with dq
+  last."""
   if kr is not None:
     raise ValueError("the Mosaic GPU ut_backward has no read keys")
-  if isinstance(dk_out, _Output):
+  if dk_out is None and g.ndim == 3:
     dq, dk, dv, db, da = chunk_backward.chunk_backward(
-        mg, dk_out.q, k, v, g, b, t, states, d_next, dk_out.d_o,
-        scale=dk_out.scale)
+        mg, q, k, v, g, b, t, states, d_next, d_o, scale=scale)
     return dk, dv, db, da, dq
   return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
                                  d_delta, dk_out, dg_out)
@@ -453,13 +438,14 @@ def _bwd(scale, plan, residuals, cotangents):
   # The three-warpgroup scan's backward: W and dDelta_local formed in the
   # reverse pass, the output's backward in chunk_backward.
   fused = schedule == "specialized"
-  dq, dk, dv, da, db, d_initial = pallas_ops.backward(
-      scale, CHUNK, _pallas_config(), residuals, cotangents,
-      w_u=functools.partial(_w_u, mg, fused=fused),
-      output_backward=functools.partial(_output, mg, fused=fused),
-      backward_scan=functools.partial(_reverse, mg, maps=maps),
-      ut_backward=functools.partial(_ut, mg),
-      intra_backward=functools.partial(_intra, mg))[:6]
+  dq, dk, dv, da, db, d_initial = stages.backward(
+      stages.Stages(
+          w_u=functools.partial(_w_u, mg, fused=fused),
+          output_backward=functools.partial(_output, mg, fused=fused),
+          reverse=functools.partial(_reverse, mg, maps=maps),
+          ut_backward=functools.partial(_ut, mg),
+          intra_backward=functools.partial(_intra, mg)),
+      scale, CHUNK, _pallas_config(), residuals, cotangents)[:6]
   n_k, n_v = cotangents[1].shape[-2:]  # the head dims before padding
   if da.shape[-1] > 1:
     da = da[..., :n_k]

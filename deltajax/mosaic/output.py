@@ -35,8 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic import core
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 from deltajax.mosaic.ut import C
 
 _INPUTS = 7  # TMA copies: q, k, the gate twice, S, Delta, dO
@@ -47,33 +47,33 @@ def _body(mg, q_ref, k_ref, g_ref, s_ref, delta_ref, do_ref, dq_ref, dg_ref,
           dp_s, dq_s, dk_s, dd_s, dg_s, bar, *, groups, scale):
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  compat.copy_in(((q_ref.at[bi, tokens, hk], q_s),
-                  (k_ref.at[bi, tokens, hk], k_s),
-                  (g_ref.at[bi, h, tokens], g_rows),
-                  (g_ref.at[bi, h, tokens], g_cols),
-                  (s_ref.at[bi, h, n], s_s),
-                  (delta_ref.at[bi, tokens, h], delta_s),
-                  (do_ref.at[bi, tokens, h], do_s)), bar)
+  core.copy_in(((q_ref.at[bi, tokens, hk], q_s),
+                (k_ref.at[bi, tokens, hk], k_s),
+                (g_ref.at[bi, h, tokens], g_rows),
+                (g_ref.at[bi, h, tokens], g_cols),
+                (s_ref.at[bi, h, n], s_s),
+                (delta_ref.at[bi, tokens, h], delta_s),
+                (do_ref.at[bi, tokens, h], do_s)), bar)
   plgpu.barrier_wait(bar)
   square = (C, C)
   g = mg.load(g_rows, ROWS)
-  gamma = scale * compat.decay(mg, g, mg.load(g_cols, COLS))
-  qk, dp = mg.products([([(q_s, compat.T(k_s))], square, None),
-                        ([(do_s, compat.T(delta_s))], square, None)])
+  gamma = scale * core.decay(mg, g, mg.load(g_cols, COLS))
+  qk, dp = mg.products([([(q_s, core.T(k_s))], square, None),
+                        ([(do_s, core.T(delta_s))], square, None)])
   p_s[...] = (gamma * qk).astype(p_s.dtype)
   dp_s[...] = (gamma * dp).astype(dp_s.dtype)
   plgpu.commit_smem()
   dk_keys = (C, k_s.shape[1])
   dq, dk, dd = mg.products([
-      ([(do_s, compat.T(s_s))], dk_keys, None),
-      ([(compat.T(dp_s), q_s)], dk_keys, None),
-      ([(compat.T(p_s), do_s)], do_s.shape, None)])
-  compat.copy_out(dd, dd_s, dd_ref.at[bi, tokens, h])
-  compat.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
+      ([(do_s, core.T(s_s))], dk_keys, None),
+      ([(core.T(dp_s), q_s)], dk_keys, None),
+      ([(core.T(p_s), do_s)], do_s.shape, None)])
+  core.copy_out(dd, dd_s, dd_ref.at[bi, tokens, h])
+  core.copy_out(dk, dk_s, dk_ref.at[bi, tokens, h])
   (dq,) = mg.products([([(dp_s, k_s)], dk_keys,
                         lax.broadcast_in_dim(scale * jnp.exp(g), dk_keys, [0])
                         * dq)])
-  compat.copy_out(dq, dq_s, dq_ref.at[bi, tokens, h])
+  core.copy_out(dq, dq_s, dq_ref.at[bi, tokens, h])
   q, k = mg.load(q_s, WGMMA), mg.load(k_s, WGMMA)
   dg_s[...] = (jnp.sum(q.astype(jnp.float32) * dq, axis=1)
                - jnp.sum(k.astype(jnp.float32) * dk, axis=1))
@@ -86,7 +86,7 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale):
   """The output's cotangents, chunk by chunk.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``, delta and d_o ``[B, T, HV, V]``, states ``[B,
       HV, T / C, K, V]`` (the chunks' entry states), one 16-bit dtype; K and
       V in {64, 128}, T a multiple of 64.
@@ -109,11 +109,11 @@ def output_backward(mg, q, k, g, states, delta, d_o, *, scale):
               jax.ShapeDtypeStruct(d_o.shape, f32),
               jax.ShapeDtypeStruct(per_head, dtype)]
   vec = plgpu.SMEM((C,), f32)
-  keys, vals = compat.smem((C, dk), dtype), compat.smem((C, dv), dtype)
-  square = compat.smem((C, C), dtype)
-  scratch = [keys, keys, vec, vec, compat.smem((dk, dv), dtype), vals, vals,
-             square, square, compat.smem((C, dk), dq_dtype),
-             compat.smem((C, dk), dtype), compat.smem((C, dv), f32), vec,
+  keys, vals = core.smem((C, dk), dtype), core.smem((C, dv), dtype)
+  square = core.smem((C, C), dtype)
+  scratch = [keys, keys, vec, vec, core.smem((dk, dv), dtype), vals, vals,
+             square, square, core.smem((C, dk), dq_dtype),
+             core.smem((C, dk), dtype), core.smem((C, dv), f32), vec,
              plgpu.Barrier(num_arrivals=_INPUTS)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale)
   return tuple(mg.kernel(body, out_type=out_type, scratch_types=scratch,

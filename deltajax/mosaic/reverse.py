@@ -1,7 +1,7 @@
 """The reverse state pass in Mosaic GPU: the state's cotangent, by chunks.
 
 The transpose of :mod:`scan`'s state update, and the contract of
-:func:`deltajax.pallas.state.backward_scan`. One CTA (one warpgroup) per
+:func:`deltajax.pallas.reverse.backward`. One CTA (one warpgroup) per
 (batch, value head, block of BV = 64 value columns) walks the chunks from
 the last, with the cotangent ``dS [K, BV]`` of the chunk's exit state in
 float32 registers (a wgmma accumulator). Per chunk (Gated DeltaNet's
@@ -14,8 +14,9 @@ as wgmmas with 16-bit operands (``dS``, ``scale e^g * dO`` and ``-dDelta``
 staged in shared memory) and float32 accumulation. Every exponent is
 ``<= 0``. TMA brings the next chunk's q, k, W, gate, dO and dDelta_local
 into the other of two shared-memory slots meanwhile, and takes each
-chunk's ``dS`` and dDelta out, both 16-bit: :func:`deltajax.pallas.ut.ut_backward` takes them
-to its products so (the Pallas pass writes dDelta in float32 over
+chunk's ``dS`` and dDelta out, both 16-bit:
+:func:`deltajax.pallas.ut_backward.ut_backward` takes them to its products
+so (the Pallas pass writes dDelta in float32 over
 dDelta_local, in place; here, without aliasing, the 16-bit copy halves it).
 :func:`backward` is the reverse pass of the one-warpgroup scan (under
 ``jax_enable_x64``, and for a per-channel gate).
@@ -59,9 +60,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import scan
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV, C
 
 SLOTS = 2  # chunks of input tiles in flight
@@ -140,14 +141,14 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
     """The chunk's per-head factors of dO and of ``K dS``: ``(scale e^g,
     e^{g_C - g})`` per row, ``[C, BV]``."""
     g, g_end = mg.load(sh.g.at[slot], ROWS), sh.g[slot, C - 1]
-    return (compat.rows(scale * jnp.exp(g), tile),
-            compat.rows(jnp.exp(g_end - g), tile))
+    return (core.rows(scale * jnp.exp(g), tile),
+            core.rows(jnp.exp(g_end - g), tile))
 
   def decay(slot, ds):
     """``e^{g_C} dS``: per channel, ``e^{g_C} [K]`` scales dS's rows."""
     if per_channel:
       g_end = mg.load(sh.g.at[slot], ROWS)
-      return compat.rows(jnp.exp(g_end), ds.shape) * ds
+      return core.rows(jnp.exp(g_end), ds.shape) * ds
     return jnp.exp(sh.g[slot, C - 1]) * ds
 
   def step(i, ds):
@@ -172,8 +173,8 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
     sh.neg[...] = (-d_delta / unit).astype(sh.neg.dtype)
     plgpu.commit_smem()
     store(sh.out, d_delta_ref, (bi, tokens, h, cols))
-    return unit * mg.mm([(compat.T(sh.q.at[slot]), reads),
-                         (compat.T(sh.w.at[slot]), sh.neg)], ds.shape,
+    return unit * mg.mm([(core.T(sh.q.at[slot]), reads),
+                         (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
                         decay(slot, ds) / unit)
 
   # This CTA's columns of its row's dS.
@@ -264,12 +265,12 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       g = mg.load(sh.g.at[slot], ROWS)
       k = mg.load(sh.k.at[slot], WGMMA).astype(jnp.float32)
       factor = mg.load(sh.beta.at[slot], ROWS) * jnp.exp(g)
-      sh.kb[...] = (compat.rows(factor, keys) * k).astype(dtype)
+      sh.kb[...] = (core.rows(factor, keys) * k).astype(dtype)
       plgpu.commit_smem()
       w, qk = mg.products([
           ([(sh.t.at[slot], sh.kb)], keys, None),
-          ([(sh.q.at[slot], compat.T(sh.k.at[slot]))], square, None)])
-      gamma = scale * compat.decay(mg, g, mg.load(sh.g.at[slot], COLS))
+          ([(sh.q.at[slot], core.T(sh.k.at[slot]))], square, None)])
+      gamma = scale * core.decay(mg, g, mg.load(sh.g.at[slot], COLS))
       sh.w.at[slot][...] = w.astype(dtype)
       sh.p.at[slot][...] = (gamma * qk).astype(dtype)
       plgpu.commit_smem()
@@ -288,9 +289,9 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       plgpu.barrier_wait(sh.formed.at[slot])
       g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
       ds_lo = ds_t.astype(dtype)
-      d_o_t = mg.load(compat.T(sh.d_o.at[slot]), WGMMA)
+      d_o_t = mg.load(core.T(sh.d_o.at[slot]), WGMMA)
       kds_t, local_t = mg.products([
-          ([(ds_lo, compat.T(sh.k.at[slot]))], tile, None),
+          ([(ds_lo, core.T(sh.k.at[slot]))], tile, None),
           ([(d_o_t, sh.p.at[slot])], tile, None)])
       d_delta_t = local_t + per_column(jnp.exp(g_end - g)) * kds_t
       read_t = per_column(scale * jnp.exp(g)) * d_o_t.astype(jnp.float32)
@@ -330,7 +331,7 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   ``dS^T`` and forming W and dDelta_local itself.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``, t: ``[B, HV, T, C]``
       (:func:`deltajax.pallas.ut.inverse`), d_o: ``[B, T, HV, V]``, one
       16-bit dtype; K in {64, 128}, V a multiple of 64, T a multiple of 64.
@@ -351,14 +352,14 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   pieces = _whole(pieces, t_len)
   out_type = _out_type(None, dtype, (bsz, heads, t_len // C, dk, dv),
                        (d_final.shape[0], heads, dv, dk), local)
-  keys = compat.smem((SLOTS, C, dk), dtype)
-  square = compat.smem((SLOTS, C, C), dtype)
+  keys = core.smem((SLOTS, C, dk), dtype)
+  square = core.smem((SLOTS, C, C), dtype)
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
   slots = plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS)
   scratch = [keys, keys, square, vec, vec,
-             compat.smem((SLOTS, C, BV), dtype), keys, square,
-             compat.smem((C, dk), dtype), compat.smem((dk, BV), dtype),
-             compat.smem((BV, dk), jnp.float32),
+             core.smem((SLOTS, C, BV), dtype), keys, square,
+             core.smem((C, dk), dtype), core.smem((dk, BV), dtype),
+             core.smem((BV, dk), jnp.float32),
              plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS), slots,
              plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
@@ -398,7 +399,7 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``, w: ``[B, T, HV, K]``, d_o: ``[B, T, HV, V]``,
       one 16-bit dtype; K in {64, 128}, V a multiple of 64, T a multiple of
       64.
@@ -428,14 +429,14 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
   pieces = _whole(pieces, t_len)
   out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
                        d_final.shape, local)
-  keys = compat.smem((SLOTS, C, dk), dtype)
-  tile = compat.smem((C, BV), dtype)
+  keys = core.smem((SLOTS, C, dk), dtype)
+  tile = core.smem((C, BV), dtype)
   scratch = [keys, keys, keys,
              plgpu.SMEM((SLOTS, dk if per_channel else C), jnp.float32),
-             compat.smem((SLOTS, C, BV), dtype),
-             compat.smem((SLOTS, C, BV), jnp.float32),
-             compat.smem((dk, BV), dtype), tile, tile, tile,
-             compat.smem((dk, BV), jnp.float32),
+             core.smem((SLOTS, C, BV), dtype),
+             core.smem((SLOTS, C, BV), jnp.float32),
+             core.smem((dk, BV), dtype), tile, tile, tile,
+             core.smem((dk, BV), jnp.float32),
              plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
              plgpu.Barrier(num_arrivals=1)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,

@@ -73,9 +73,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import ut
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 
 C = 64
 BV = 64  # value columns per CTA
@@ -189,7 +189,7 @@ class _Chunk(NamedTuple):
   def published(self, ref):
     """A published tile (S's copy, Delta's) as a product's right
     operand: ``ref`` read transposed where it holds WG0's transpose."""
-    return compat.T(ref) if self.carried else ref
+    return core.T(ref) if self.carried else ref
 
   @property
   def dtype(self):
@@ -197,7 +197,7 @@ class _Chunk(NamedTuple):
     return self.sh.k.dtype
 
   def values_tile(self, layout):
-    """This chunk's v tile in ``layout`` (a :class:`compat.T` ref for
+    """This chunk's v tile in ``layout`` (a :class:`core.T` ref for
     V^T), float32."""
     v = self.mg.load(layout(self.sh.v.at[self.slot]), WGMMA).astype(
         jnp.float32)
@@ -222,8 +222,8 @@ class _Chunk(NamedTuple):
     v = self.values_tile(lambda ref: ref)
     beta = mg.load(sh.beta.at[slot], ROWS)
     if g_row is not None:
-      ks = compat.rows(jnp.exp(g_row), tile) * ks
-    sh.y[...] = (compat.rows(beta, tile) * (v - ks)).astype(sh.y.dtype)
+      ks = core.rows(jnp.exp(g_row), tile) * ks
+    sh.y[...] = (core.rows(beta, tile) * (v - ks)).astype(sh.y.dtype)
     plgpu.commit_smem()
     delta = mg.mm([(sh.t.at[slot], sh.y)], tile)
     if self.per_channel:
@@ -231,7 +231,7 @@ class _Chunk(NamedTuple):
     else:
       sh.d_hi[...] = delta.astype(sh.y.dtype)
     if g_row is not None:
-      sh.e[...] = (delta * compat.rows(jnp.exp(g_end - g_row), tile)).astype(
+      sh.e[...] = (delta * core.rows(jnp.exp(g_end - g_row), tile)).astype(
           sh.y.dtype)
     plgpu.commit_smem()
 
@@ -239,7 +239,7 @@ class _Chunk(NamedTuple):
     """``e^{g_C} S``: per channel, ``e^{g_C} [K]`` scales S's rows."""
     if self.per_channel:
       g_end = self.mg.load(self.sh.g_end.at[self.slot], ROWS)
-      return compat.rows(jnp.exp(g_end), s.shape) * s
+      return core.rows(jnp.exp(g_end), s.shape) * s
     return jnp.exp(self.gates()[1]) * s
 
   def update(self, s, also=()):
@@ -247,8 +247,8 @@ class _Chunk(NamedTuple):
     g})^T Delta``, Delta's 16-bit rounding as in the Pallas scan), and the
     ``also`` products, waited for with it."""
     sh, slot = self.sh, self.slot
-    pair = ((compat.T(sh.kd.at[slot]), sh.d_hi) if self.per_channel
-            else (compat.T(sh.k.at[slot]), sh.e))
+    pair = ((core.T(sh.kd.at[slot]), sh.d_hi) if self.per_channel
+            else (core.T(sh.k.at[slot]), sh.e))
     return self.mg.products([([pair], s.shape, self.decay(s)), *also])
 
   def query_state(self):
@@ -262,7 +262,7 @@ class _Chunk(NamedTuple):
     if self.per_channel:
       return scale * qs
     g_row, _ = self.gates()
-    return compat.rows(scale * jnp.exp(g_row), qs.shape) * qs
+    return core.rows(scale * jnp.exp(g_row), qs.shape) * qs
 
   def queries(self):
     """The queries' products among the chunk's first ones (S staged):
@@ -271,7 +271,7 @@ class _Chunk(NamedTuple):
     if self.per_channel:
       return [self.query_state()]
     sh, slot = self.sh, self.slot
-    return [([(sh.q.at[slot], compat.T(sh.k.at[slot]))], (C, C), None),
+    return [([(sh.q.at[slot], core.T(sh.k.at[slot]))], (C, C), None),
             self.query_state()]
 
   def outputs(self, read, scale):
@@ -290,8 +290,8 @@ class _Chunk(NamedTuple):
   def scores(self, qk, scale):
     """``P = scale Gamma * Q K^T`` from ``qk``: its bf16 halves."""
     g_row, _ = self.gates()
-    gamma = compat.decay(self.mg, g_row,
-                         self.mg.load(self.sh.g_cols.at[self.slot], COLS))
+    gamma = core.decay(self.mg, g_row,
+                       self.mg.load(self.sh.g_cols.at[self.slot], COLS))
     return ut.halves(scale * gamma * qk, self.dtype)
 
   def p_delta(self, p):
@@ -317,13 +317,13 @@ class _Chunk(NamedTuple):
     tile = (BV, C)
     cols = lambda x: lax.broadcast_in_dim(x, tile, [1])
     g_col = mg.load(sh.g_cols.at[slot], COLS)
-    v_t = self.values_tile(compat.T)
+    v_t = self.values_tile(core.T)
     beta = mg.load(sh.beta.at[slot], COLS)
     y_t = (cols(beta) * (v_t - cols(jnp.exp(g_col)) * ks_t)).astype(
         self.dtype)
     # Its operands are registers and T's slot, which nothing writes before
     # the update's meeting: no meeting here.
-    return mg.mm([(y_t, compat.T(sh.t.at[slot]))], tile, meet=False)
+    return mg.mm([(y_t, core.T(sh.t.at[slot]))], tile, meet=False)
 
   def publish(self, s_t, delta_t):
     """S's and Delta's 16-bit copies in ``sh.s`` and ``sh.d_hi`` from WG0's
@@ -505,7 +505,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       plgpu.barrier_wait(sh.loaded.at[x.slot])
       s_lo = s_t.astype(x.dtype)
       # Nothing writes K's slot before the update's meeting.
-      (ks_t,) = mg.products([([(s_lo, compat.T(sh.k.at[x.slot]))], (BV, C),
+      (ks_t,) = mg.products([([(s_lo, core.T(sh.k.at[x.slot]))], (BV, C),
                               None)], meet=False)
       delta_t = x.delta_transposed(ks_t)
       if maps:
@@ -542,7 +542,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
         x, half = published(n)
         plgpu.barrier_wait(sh.loaded.at[x.slot])
         # Q's and K's slot are released after the output's meeting.
-        qk = mg.mm([(sh.q.at[x.slot], compat.T(sh.k.at[x.slot]))], (C, C),
+        qk = mg.mm([(sh.q.at[x.slot], core.T(sh.k.at[x.slot]))], (C, C),
                    meet=False)
         p = x.scores(qk, scale)
         plgpu.barrier_wait(s_ready.at[half])
@@ -568,7 +568,7 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     q, k: ``[B, T, H, K]``, v: ``[B, T, HV, V]``, one 16-bit dtype; K in
       {64, 128}, V a multiple of 64, T a multiple of 64.
     t: ``[B, HV, T, C]`` from :func:`deltajax.pallas.ut.inverse`.
@@ -663,20 +663,20 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
     out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
                  *([jax.ShapeDtypeStruct(v.shape, dtype)] if deltas else [])]
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
-  tile = compat.smem((C, BV), dtype)
+  tile = core.smem((C, BV), dtype)
   copies = (2,) if transposed else ()  # of each _PUBLISHED tile
-  published = compat.smem((*copies, C, BV), dtype)
-  keys = compat.smem((SLOTS, C, dk), dtype)
+  published = core.smem((*copies, C, BV), dtype)
+  keys = core.smem((SLOTS, C, dk), dtype)
   types = dict(
-      q=keys, k=keys, kd=keys, v=compat.smem((SLOTS, C, BV), dtype),
-      t=compat.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
+      q=keys, k=keys, kd=keys, v=core.smem((SLOTS, C, BV), dtype),
+      t=core.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
       g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
-      s=compat.smem((*copies, *((BV, dk) if _carried(schedule, save, maps)
-                                else (dk, BV))), dtype),
+      s=core.smem((*copies, *((BV, dk) if _carried(schedule, save, maps)
+                              else (dk, BV))), dtype),
       y=tile, d_hi=published,
       d_lo=published, e=tile, o=published,
-      f=compat.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
-      p=compat.smem((C, C), jnp.float32),
+      f=core.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
+      p=core.smem((C, C), jnp.float32),
       loaded=plgpu.Barrier(num_arrivals=_INPUTS - maps, num_barriers=SLOTS),
       s0=plgpu.Barrier(num_arrivals=1), p_loaded=plgpu.Barrier(num_arrivals=1))
   scratch = [types[f] for f in _fields(per_channel, schedule, maps)]

@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
-from deltajax.mosaic.compat import COLS, ROWS
+from deltajax.mosaic import core
+from deltajax.mosaic.core import COLS, ROWS
 
 C = 64   # the chunk: one wgmma tile of rows
 
@@ -52,19 +52,19 @@ def _w_body(mg, k_ref, g_ref, b_ref, t_ref, w_ref, k_s, g_s, b_s, t_s, bar,
   """W of one chunk."""
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
-  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  (g_ref.at[bi, h, tokens], g_s),
-                  (b_ref.at[bi, h, tokens], b_s),
-                  (t_ref.at[bi, h, tokens], t_s)), bar)
+  core.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                (g_ref.at[bi, h, tokens], g_s),
+                (b_ref.at[bi, h, tokens], b_s),
+                (t_ref.at[bi, h, tokens], t_s)), bar)
   plgpu.barrier_wait(bar)
   beta = mg.load(b_s, ROWS)
   keys = k_s.shape
   if len(g_s.shape) == 2:  # per channel: the gate's [C, K] tile
-    k_factor = compat.rows(beta, keys) * jnp.exp(mg.load(g_s, compat.WGMMA))
+    k_factor = core.rows(beta, keys) * jnp.exp(mg.load(g_s, core.WGMMA))
   else:
-    k_factor = compat.rows(beta * jnp.exp(mg.load(g_s, ROWS)), keys)
+    k_factor = core.rows(beta * jnp.exp(mg.load(g_s, ROWS)), keys)
   # diag(b) K e^g in K's place, then W in its place.
-  x = mg.load(k_s, compat.WGMMA).astype(jnp.float32)
+  x = mg.load(k_s, core.WGMMA).astype(jnp.float32)
   k_s[...] = (k_factor * x).astype(k_s.dtype)
   plgpu.commit_smem()
   (w,) = mg.products([([(t_s, k_s)], keys, None)])
@@ -79,7 +79,7 @@ def w(mg, k, g, b, t, *, heads):
   ut_backward forms what it needs of ``U = T diag(b) V`` itself).
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     k: ``[B, T, H, K]``, t: ``[B, HV, T, C]``, one 16-bit dtype; K in {64,
       128}, T a multiple of 64.
     g: ``[B, HV, T]`` (per head) or ``[B, HV, T, K]`` (per channel)
@@ -92,9 +92,9 @@ def w(mg, k, g, b, t, *, heads):
   """
   bsz, t_len, h, dk = k.shape
   vec = plgpu.SMEM((C,), jnp.float32)
-  gate = compat.smem((C, dk), jnp.float32) if g.ndim == 4 else vec
-  scratch = [compat.smem((C, dk), k.dtype), gate, vec,
-             compat.smem((C, C), k.dtype), plgpu.Barrier(num_arrivals=4)]
+  gate = core.smem((C, dk), jnp.float32) if g.ndim == 4 else vec
+  scratch = [core.smem((C, dk), k.dtype), gate, vec,
+             core.smem((C, C), k.dtype), plgpu.Barrier(num_arrivals=4)]
   return mg.kernel(
       lambda *refs: _w_body(mg, *refs, groups=heads // h),
       out_type=jax.ShapeDtypeStruct((bsz, t_len, heads, dk), k.dtype),

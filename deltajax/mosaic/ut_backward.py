@@ -1,7 +1,7 @@
 """The backward through the UT transform in Mosaic GPU, chunk by chunk.
 
-The contract of :func:`deltajax.pallas.ut.ut_backward` for a scalar gate:
-from dDelta (the reverse pass's), the chunk's entry state ``S`` and the
+The contract of :func:`deltajax.pallas.ut_backward.ut_backward` for a scalar
+gate: from dDelta (the reverse pass's), the chunk's entry state ``S`` and the
 cotangent ``dS'`` of its exit state, the cotangents of k, v, beta and the
 gate through (Gated DeltaNet's chunkwise form: Yang, Kautz & Hatamizadeh,
 ICLR 2025)::
@@ -61,9 +61,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from deltajax.mosaic import compat
+from deltajax.mosaic import core
 from deltajax.mosaic import ut
-from deltajax.mosaic.compat import COLS, ROWS, WGMMA
+from deltajax.mosaic.core import COLS, ROWS, WGMMA
 from deltajax.mosaic.scan import BV
 from deltajax.mosaic.ut import C
 
@@ -88,11 +88,11 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
   def scope(v_s, dd_s, delta_s, s_s, dn_s, dv_s):
     def load_block(j):
       cols = pl.ds(j * BV, BV)
-      compat.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
-                      (dd_ref.at[bi, tokens, h, cols], dd_s),
-                      (delta_ref.at[bi, tokens, h, cols], delta_s),
-                      (s_ref.at[bi, h, n, :, cols], s_s),
-                      (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
+      core.copy_in(((v_ref.at[bi, tokens, h, cols], v_s),
+                    (dd_ref.at[bi, tokens, h, cols], dd_s),
+                    (delta_ref.at[bi, tokens, h, cols], delta_s),
+                    (s_ref.at[bi, h, n, :, cols], s_s),
+                    (dnext_ref.at[bi, h, n, :, cols], dn_s)), block_bar)
 
     load_block(0)
     plgpu.barrier_wait(bar)
@@ -102,10 +102,10 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
     for j in range(n_blocks):
       plgpu.barrier_wait(block_bar)
       d_xv, d_k_end, minus_dw = mg.products([
-          ([(compat.T(t_s), dd_s)], tile, None),
-          ([(delta_s, compat.T(dn_s))], keys, d_k_end),
-          ([(dd_s, compat.T(s_s))], keys, minus_dw)])
-      (z,) = mg.products([([(d_xv.astype(v_s.dtype), compat.T(v_s))],
+          ([(core.T(t_s), dd_s)], tile, None),
+          ([(delta_s, core.T(dn_s))], keys, d_k_end),
+          ([(dd_s, core.T(s_s))], keys, minus_dw)])
+      (z,) = mg.products([([(d_xv.astype(v_s.dtype), core.T(v_s))],
                            square, z)])
       block_db = jnp.sum(d_xv * mg.load(v_s, WGMMA).astype(jnp.float32),
                          axis=1)
@@ -114,7 +114,7 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
       db = block_db if db is None else db + block_db
       ds_sum = block_ds if ds_sum is None else ds_sum + block_ds
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dv block
-      dv_s[...] = (compat.rows(beta, tile) * d_xv).astype(dv_s.dtype)
+      dv_s[...] = (core.rows(beta, tile) * d_xv).astype(dv_s.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[bi, tokens, h,
                                               pl.ds(j * BV, BV)])
@@ -123,8 +123,8 @@ def _value_blocks(mg, refs, at, t_s, b_s, bar, block_bar, dtype):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's end
     return d_k_end, minus_dw, z, db, ds_sum
 
-  block = compat.smem(tile, dtype)
-  state_block = compat.smem((dk_dim, BV), dtype)
+  block = core.smem(tile, dtype)
+  state_block = core.smem((dk_dim, BV), dtype)
   return pl.run_scoped(scope, block, block, block, state_block, state_block,
                        block)
 
@@ -137,13 +137,13 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
   tokens, hk = pl.ds(n * C, C), lax.div(h, groups)
   dk_dim = k_s.shape[1]
   keys, square = (C, dk_dim), (C, C)
-  compat.copy_in(((k_ref.at[bi, tokens, hk], k_s),
-                  (t_ref.at[bi, h, tokens], t_s),
-                  (g_ref.at[bi, h, tokens], g_rows),
-                  (g_ref.at[bi, h, tokens], g_cols),
-                  (b_ref.at[bi, h, tokens], b_s),
-                  (b_ref.at[bi, h, tokens], b_cols),
-                  (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
+  core.copy_in(((k_ref.at[bi, tokens, hk], k_s),
+                (t_ref.at[bi, h, tokens], t_s),
+                (g_ref.at[bi, h, tokens], g_rows),
+                (g_ref.at[bi, h, tokens], g_cols),
+                (b_ref.at[bi, h, tokens], b_s),
+                (b_ref.at[bi, h, tokens], b_cols),
+                (dgout_ref.at[bi, h, tokens], dgout_s)), bar)
   d_k_end, minus_dw, z, db, ds_sum = _value_blocks(
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
       t_s, b_s, bar, block_bar, dtypes.k)
@@ -155,7 +155,7 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
     dw_s[...] = (-minus_dw).astype(dw_s.dtype)
     plgpu.commit_smem()
-    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    (d_xk,) = mg.products([([(core.T(t_s), dw_s)], keys, None)])
     # dX_k's 16-bit copy in dW's place (read), and what needs dX_k and
     # dK_end formed at once: neither is live through the products below,
     # nor K K^T through this one (the kernel is held at 255 registers and
@@ -163,34 +163,34 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     dw_s[...] = d_xk.astype(dw_s.dtype)
     plgpu.commit_smem()
     k = mg.load(k_s, WGMMA).astype(jnp.float32)
-    end_share = jnp.sum(k * compat.rows(to_end, keys) * d_k_end, axis=1)
-    d_xk_kg = jnp.sum(d_xk * k * compat.rows(from_start, keys), axis=1)
+    end_share = jnp.sum(k * core.rows(to_end, keys) * d_k_end, axis=1)
+    d_xk_kg = jnp.sum(d_xk * k * core.rows(from_start, keys), axis=1)
     dg = beta * d_xk_kg - end_share
-    dk = (compat.rows(to_end, keys) * d_k_end
-          + compat.rows(from_start * beta, keys) * d_xk)
+    dk = (core.rows(to_end, keys) * d_k_end
+          + core.rows(from_start * beta, keys) * d_xk)
     # -dM = dX_v U^T + dX_k W^T = (Z diag(b) + dX_k K^T diag(b e^g)) T^T for
     # U = T diag(b) V, W = T diag(b e^g) K, which are never formed; the
     # bracket in two bf16 passes.
-    (z_k,) = mg.products([([(dw_s, compat.T(k_s))], square, None)])
+    (z_k,) = mg.products([([(dw_s, core.T(k_s))], square, None)])
     beta_col = mg.load(b_cols, COLS)
     bracket = (z * lax.broadcast_in_dim(beta_col, square, [1])
                + z_k * lax.broadcast_in_dim(
                    beta_col * jnp.exp(mg.load(g_cols, COLS)), square, [1]))
     r_hi, r_lo = ut.halves(bracket, dw_s.dtype)
-    minus_dm, kk = mg.products([([(r_hi, compat.T(t_s)),
-                                  (r_lo, compat.T(t_s))], square, None),
-                                ([(k_s, compat.T(k_s))], square, None)])
+    minus_dm, kk = mg.products([([(r_hi, core.T(t_s)),
+                                  (r_lo, core.T(t_s))], square, None),
+                                ([(k_s, core.T(k_s))], square, None)])
     plgpu.barrier_wait(dkout_bar)
     dk = dk + mg.load(dkout_s, WGMMA).astype(jnp.float32)
 
     # M = diag(b) A: db's share, then dA = diag(b) dM through A.
-    gamma = compat.decay(mg, g, mg.load(g_cols, COLS), strict=True)
+    gamma = core.decay(mg, g, mg.load(g_cols, COLS), strict=True)
     d_b = db + d_xk_kg - jnp.sum(minus_dm * gamma * kk, axis=1)
-    de_s[...] = (-compat.rows(beta, square) * minus_dm * gamma).astype(
+    de_s[...] = (-core.rows(beta, square) * minus_dm * gamma).astype(
         de_s.dtype)
     plgpu.commit_smem()
     dk_rows, dk_cols = mg.products([([(de_s, k_s)], keys, None),
-                                    ([(compat.T(de_s), k_s)], keys, None)])
+                                    ([(core.T(de_s), k_s)], keys, None)])
     dk = dk + dk_rows + dk_cols
     # K again from shared memory, not kept through the products.
     dg = dg + jnp.sum(mg.load(k_s, WGMMA).astype(jnp.float32)
@@ -212,9 +212,9 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
     plgpu.copy_smem_to_gmem(vec_s, da_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
-  keys_tile = compat.smem(keys, dtypes.k)
-  pl.run_scoped(keys_side, compat.smem(keys, dtypes.dk_out), keys_tile,
-                compat.smem(square, dtypes.k), compat.smem(keys, dtypes.dk))
+  keys_tile = core.smem(keys, dtypes.k)
+  pl.run_scoped(keys_side, core.smem(keys, dtypes.dk_out), keys_tile,
+                core.smem(square, dtypes.k), core.smem(keys, dtypes.dk))
 
 
 def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
@@ -227,11 +227,11 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, dk_dim = pl.ds(n * C, C), k_s.shape[1]
   keys, square = (C, dk_dim), (C, C)
-  compat.copy_in(((k_ref.at[bi, tokens, lax.div(h, groups)], k_s),
-                  (t_ref.at[bi, h, tokens], t_s),
-                  (g_ref.at[bi, h, n * C + C - 1], g_end_s),
-                  (b_ref.at[bi, h, tokens], b_s),
-                  (b_ref.at[bi, h, tokens], b_cols)), bar)
+  core.copy_in(((k_ref.at[bi, tokens, lax.div(h, groups)], k_s),
+                (t_ref.at[bi, h, tokens], t_s),
+                (g_ref.at[bi, h, n * C + C - 1], g_end_s),
+                (b_ref.at[bi, h, tokens], b_s),
+                (b_ref.at[bi, h, tokens], b_cols)), bar)
   d_k_end, minus_dw, z, db, ds_sum = _value_blocks(
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
       t_s, b_s, bar, block_bar, dtype)
@@ -244,7 +244,7 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.copy_gmem_to_smem(g_ref.at[bi, h, tokens], g_s, g_bar)
     dw_s[...] = (-minus_dw).astype(dtype)
     plgpu.commit_smem()
-    (d_xk,) = mg.products([([(compat.T(t_s), dw_s)], keys, None)])
+    (d_xk,) = mg.products([([(core.T(t_s), dw_s)], keys, None)])
     plgpu.barrier_wait(g_bar)
     kg_s[...] = (mg.load(k_s, WGMMA).astype(jnp.float32)
                  * jnp.exp(mg.load(g_s, WGMMA))).astype(dtype)
@@ -253,12 +253,12 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     # -dM = dX_v U^T + dX_k W^T = (Z + dX_k (K e^g)^T) diag(b) T^T for U =
     # T diag(b) V, W = T diag(b) (K e^g), never formed; the bracket in two
     # 16-bit passes.
-    (bracket,) = mg.products([([(dw_s, compat.T(kg_s))], square, z)])
+    (bracket,) = mg.products([([(dw_s, core.T(kg_s))], square, z)])
     bracket = bracket * lax.broadcast_in_dim(mg.load(b_cols, COLS), square,
                                              [1])
     r_hi, r_lo = ut.halves(bracket, dtype)
-    (minus_dm,) = mg.products([([(r_hi, compat.T(t_s)),
-                                 (r_lo, compat.T(t_s))], square, None)])
+    (minus_dm,) = mg.products([([(r_hi, core.T(t_s)),
+                                 (r_lo, core.T(t_s))], square, None)])
     dm_s[...] = (-minus_dm).astype(dm_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dm_s, dm_ref.at[bi, h, tokens])
@@ -270,8 +270,8 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
     end_share = k * to_end * d_k_end
     d_xk_kg = d_xk * k * from_start
-    dk = to_end * d_k_end + compat.rows(beta, keys) * from_start * d_xk
-    dg = compat.rows(beta, keys) * d_xk_kg - end_share
+    dk = to_end * d_k_end + core.rows(beta, keys) * from_start * d_xk
+    dg = core.rows(beta, keys) * d_xk_kg - end_share
     d_b = db + jnp.sum(d_xk_kg, axis=1)
     # S' = e^{g_C} S + (K e^{g_C - g})^T Delta: the last row's share, the
     # sum over rows of K e^{g_C - g} * dK_end (the product of its two 16-bit
@@ -295,9 +295,9 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.copy_smem_to_gmem(g_s, dg_ref.at[bi, h, tokens])
     plgpu.wait_smem_to_gmem(0)
 
-  keys_tile = compat.smem(keys, dtype)
+  keys_tile = core.smem(keys, dtype)
   pl.run_scoped(keys_side, keys_tile, keys_tile,
-                compat.smem(keys, jnp.float32), compat.smem(square, dtype))
+                core.smem(keys, jnp.float32), core.smem(square, dtype))
 
 
 class _Dtypes(NamedTuple):
@@ -312,7 +312,7 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
   """The cotangents of k, v, beta and the gate's increments.
 
   Args:
-    mg: :class:`compat.Mosaic`.
+    mg: :class:`core.Mosaic`.
     k: ``[B, T, H, K]``; v, delta, d_delta: ``[B, T, HV, V]``; t: ``[B, HV,
       T, C]``; states, d_next: ``[B, HV, T / C, K, V]``: one 16-bit dtype
       (d_delta may be float32: it is rounded to it); K and V in {64, 128},
@@ -323,8 +323,9 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
       T]`` float32: the output's shares (per head; None per channel).
 
   Returns:
-    ``(dk, dv, db, da)`` as :func:`deltajax.pallas.ut.ut_backward`'s: ``[B,
-    T, HV, K]`` (in k's dtype without grouped value heads, else float32),
+    ``(dk, dv, db, da)`` as
+    :func:`deltajax.pallas.ut_backward.ut_backward`'s: ``[B, T, HV, K]`` (in
+    k's dtype without grouped value heads, else float32),
     ``[B, T, HV, V]`` in v's dtype, ``[B, HV, T]`` twice, float32. Per
     channel, as its ``(dk, dv, db, dg, dm)``: dk ``[B, T, HV, K]``, db
     ``[B, HV, T]``, the cumulative gate's dg ``[B, HV, T, K]`` (without the
@@ -336,7 +337,7 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
   dtype, f32 = k.dtype, jnp.float32
   d_delta = d_delta.astype(dtype)  # float32 from the Pallas reverse pass
   vec = plgpu.SMEM((C,), f32)
-  chunk_shared = [compat.smem((C, dk), dtype), compat.smem((C, C), dtype)]
+  chunk_shared = [core.smem((C, dk), dtype), core.smem((C, C), dtype)]
   if g.ndim == 4:
     out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), f32),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),

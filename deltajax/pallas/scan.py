@@ -1,9 +1,11 @@
-"""The state scan over chunks, forward and backward: the only sequential kernels.
+"""The forward state scan over chunks: the forward's only sequential kernel.
 
 One program per (batch, value head, V block) walks the chunks with the state
 ``[K, BV]`` in registers, in float32. Only what depends on the carried state
-stays on this path (the sequential path is latency-bound): forward,
-``Delta`` and the state update; backward, the state cotangent.
+stays on this path (the sequential path is latency-bound): ``Delta`` and the
+state update. The reverse pass (:mod:`reverse`) walks the chunks the same
+way for the state cotangent, with this module's helpers (:func:`boundaries`,
+:func:`cut_tiles`, :func:`entered`, :func:`scan_specs`).
 
 A per-channel gate comes as decayed keys and queries (``K e^g``, ``K e^{g_C -
 g}``, ``Q e^g``, in k's dtype, from :func:`intra.forward` or
@@ -15,14 +17,11 @@ decays scale the products' rows (:func:`core.decayed_dot`).
 Optional inputs, each a static branch (none of their work without them):
 ``cuts`` (the chunk-local cumulative cut count: the decays of :mod:`core` are
 0 across a cut; a cut at a chunk's first token discards the state by
-selection, :func:`_entered`) and ``chunk_seq`` (packed sequences, B = 1:
+selection, :func:`entered`) and ``chunk_seq`` (packed sequences, B = 1:
 chunk m belongs to sequence ``chunk_seq[m]``; the state entering a
 sequence's first chunk is its initial state, its final state is the one
-leaving its last chunk; backward, the final state's cotangent enters at the
-last chunk and the carried cotangent leaves at the first chunk as the
-initial state's).
+leaving its last chunk).
 """
-
 from __future__ import annotations
 
 import jax
@@ -33,7 +32,7 @@ from jax.experimental import pallas as pl
 from deltajax.pallas import core
 
 
-def _boundaries(seq_ref, n, n_chunks):
+def boundaries(seq_ref, n, n_chunks):
   """``(sequence of chunk n, whether n is its first chunk, its last chunk)``."""
   seq = seq_ref[n]
   first = (n == 0) | (seq_ref[jnp.maximum(n - 1, 0)] != seq)
@@ -42,7 +41,7 @@ def _boundaries(seq_ref, n, n_chunks):
   return seq, first, last
 
 
-def _cut_tiles(cuts_ref, n, c):
+def cut_tiles(cuts_ref, n, c):
   """The chunk's cut counts ``[C]`` and the counts at its first and last
   token (None without cuts)."""
   if cuts_ref is None:
@@ -51,7 +50,7 @@ def _cut_tiles(cuts_ref, n, c):
           cuts_ref[n * c + c - 1])
 
 
-def _entered(s, cuts_first):
+def entered(s, cuts_first):
   """The state a chunk uses: 0 where a cut at its first token discards it,
   by selection (NaN * 0 is NaN: a non-finite state does not cross the
   cut); backward, the cotangent that leaves the chunk for its entry state.
@@ -95,10 +94,10 @@ def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
   def chunk(n, s):
     rows = pl.ds(n * c, c)
     if seq_ref is not None:
-      seq, first, last = _boundaries(seq_ref, n, n_chunks)
+      seq, first, last = boundaries(seq_ref, n, n_chunks)
       s = lax.cond(first, lambda: s0_ref[seq].astype(acc), lambda: s)
-    cuts, cuts_first, cuts_end = _cut_tiles(cuts_ref, n, c)
-    s = _entered(s, cuts_first)
+    cuts, cuts_first, cuts_end = cut_tiles(cuts_ref, n, c)
+    s = entered(s, cuts_first)
     states_ref[n] = s.astype(states_ref.dtype)
     beta = b_ref[rows].astype(acc)
     from_start, to_end, decay = _keys(g_ref, k_ref, kg_ref, kd_ref, n, c,
@@ -121,66 +120,6 @@ def _forward_kernel(*, t_ref, k_ref, v_ref, g_ref, b_ref, cuts_ref, seq_ref,
     lax.fori_loop(0, n_chunks, chunk, jnp.zeros(final_ref.shape[-2:], acc))
 
 
-def _backward_kernel(*, q_ref, k_ref, w_ref, g_ref, cuts_ref, seq_ref, do_ref,
-                     dd_ref, dfinal_ref, qg_ref, kd_ref, d_delta_ref,
-                     d_next_ref, d_initial_ref, chunk_size, scale, dot):
-  """A per-channel gate comes as ``Q e^g`` (qg) and ``K e^{g_C - g}`` (kd),
-  and q_ref, k_ref are None."""
-  c = chunk_size
-  n_chunks = w_ref.shape[0] // c
-  dtype, acc = w_ref.dtype, d_initial_ref.dtype
-  decayed = qg_ref is not None
-
-  def load(n):
-    """Chunk n's tiles: ``(queries, keys, w, gate, gate at the chunk's
-    end)``, the queries and keys decayed (and no gate) per channel."""
-    rows, end = pl.ds(n * c, c), n * c + c - 1
-    if decayed:
-      tiles = (qg_ref[rows, :], kd_ref[rows, :], w_ref[rows, :], None,
-               g_ref[n, :].astype(acc))
-    else:
-      tiles = (q_ref[rows, :], k_ref[rows, :], w_ref[rows, :],
-               g_ref[rows].astype(acc), g_ref[end].astype(acc))
-    return (tiles, do_ref[rows, :], dd_ref[rows, :],
-            _cut_tiles(cuts_ref, n, c))
-
-  def chunk(i, carry):
-    # The previous chunk's tiles are loaded before this chunk's products, so
-    # their latency is hidden (measured faster than Triton's pipelining here,
-    # but slower in the forward scan).
-    ds, ((q, k, w, g, g_end), d_o, dd, (cuts, cuts_first, cuts_end)) = carry
-    n = n_chunks - 1 - i
-    next_tiles = load(jnp.maximum(n - 1, 0))
-    if seq_ref is not None:
-      seq, first, last = _boundaries(seq_ref, n, n_chunks)
-      ds = lax.cond(last, lambda: dfinal_ref[seq].astype(acc), lambda: ds)
-    d_next_ref[n] = ds.astype(d_next_ref.dtype)
-    d_o = d_o.astype(dtype)
-    if decayed:
-      d_delta = dd + dot(k, ds.astype(dtype))
-      read = scale * dot(q, d_o, trans_a=True)
-    else:
-      d_delta = dd + core.decayed_dot(core.to_end(g, g_end, cuts, cuts_end),
-                                      k, ds, dot)
-      read = dot((q.astype(acc) * core.on_keys(
-          scale * core.from_start(g, cuts))).astype(dtype), d_o, trans_a=True)
-    d_delta_ref[pl.ds(n * c, c), :] = d_delta
-    # dS_in = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
-    ds = _entered(read + core.on_state(core.over_chunk(g_end, cuts_end)) * ds
-                  - dot(w, d_delta.astype(dtype), trans_a=True), cuts_first)
-    if seq_ref is not None:
-      @pl.when(first)
-      def _():
-        d_initial_ref[seq] = ds
-    return ds, next_tiles
-
-  ds0 = (dfinal_ref[...].astype(acc) if seq_ref is None
-         else jnp.zeros(d_initial_ref.shape[-2:], acc))
-  ds, _ = lax.fori_loop(0, n_chunks, chunk, (ds0, load(n_chunks - 1)))
-  if seq_ref is None:
-    d_initial_ref[...] = ds
-
-
 def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
   """Pipeline depth for a chunk loop: Triton keeps one copy of each step's
   loaded tiles per stage in shared memory (232 KB on the H200; the rest of
@@ -188,7 +127,7 @@ def _pipeline_stages(stage_bytes, most=3, budget=176 * 1024):
   return max(1, min(most, budget // stage_bytes))
 
 
-def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq, g):
+def scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq, g):
   """BlockSpec makers for grid ``(B, HV, V blocks)``: whole sequences."""
   seq = lambda d: core.block(None, t_len, None, d)
   specs = dict(
@@ -209,8 +148,8 @@ def _scan_specs(bsz, t_len, heads, groups, dk, bv, n_chunks, n_seq, g):
   return specs
 
 
-def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
-                 launch, interpret, dot, decayed=None):
+def forward(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
+            launch, interpret, dot, decayed=None):
   """``Delta = T diag(b) (V - e^g K S)`` (= ``U - W S``) and
   ``S' = e^{g_C} S + (K e^{g_C - g})^T Delta``, chunk by chunk (per
   channel, ``e^{g_C}`` decays the rows of ``S [K, V]``).
@@ -247,7 +186,7 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
         c * (c + key_tiles * dk + bv) * k.dtype.itemsize,
         most=2 if crowded else 3)
   launch = core.Launch(num_warps=launch.num_warps, num_stages=num_stages)
-  sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
+  sp = scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
                    None if chunk_seq is None else initial_state.shape[0], g)
   kg, kd = decayed or (None, None)
   return core.call(
@@ -269,58 +208,3 @@ def forward_scan(*, t, k, v, g, b, cuts, chunk_seq, initial_state, chunk_size,
                      sp["state"])),
       launch=launch, interpret=interpret, name="deltajax_state_forward",
       chunk_size=c, dot=dot)
-
-
-def backward_scan(*, q, k, w, g, cuts, chunk_seq, d_o, d_delta_local,
-                  d_final, chunk_size, scale, launch, interpret, dot,
-                  decayed=None):
-  """Reverse scan for the state cotangent.
-
-  With ``dS`` the cotangent of a chunk's exit state::
-
-    dDelta = dDelta_local + (K e^{g_C - g}) dS
-    dS_in  = (scale Q e^g)^T dO + e^{g_C} dS - W^T dDelta
-
-  Args:
-    q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]``; g: ``[B, HV, T]`` (per
-    channel ``[B, HV, T / C, K]``, the gate at each chunk's end); cuts: ``[B, HV, T]`` int32 or None; chunk_seq: ``[T /
-    C]`` int32 or None; d_o: ``[B, T, HV, V]``; d_delta_local: ``[B, T, HV,
-    V]`` float32, the output's share of dDelta; d_final: ``[N, HV, K, V]``;
-    decayed: for a per-channel gate, ``(Q e^g, K e^{g_C - g})``, ``[B, T,
-    HV, K]`` in k's dtype (:func:`intra.chunk_gates`; q and k are then not
-    read).
-
-  Returns:
-    ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] in k's dtype,
-    d_initial [N, HV, K, V])``; with chunk_seq, a sequence without chunks
-    has an undefined d_initial.
-  """
-  bsz, t_len, h, dk = q.shape
-  heads, dv = d_o.shape[2:]
-  bv = min(dv, launch.block_v)
-  n = t_len // chunk_size
-  acc = d_final.dtype
-  sp = _scan_specs(bsz, t_len, heads, heads // h, dk, bv, n,
-                   None if chunk_seq is None else d_final.shape[0], g)
-  qg, kd = decayed or (None, None)
-  if decayed is not None:
-    q = k = None
-  return core.call(
-      _backward_kernel, grid=(bsz, heads, dv // bv),
-      inputs=dict(
-          q_ref=(q, sp["qk"]), k_ref=(k, sp["qk"]), w_ref=(w, sp["keys"]),
-          g_ref=(g, sp["g"]), cuts_ref=(cuts, sp["gate"]),
-          seq_ref=(chunk_seq, sp["chunk_seq"]), do_ref=(d_o, sp["vals"]),
-          dd_ref=(d_delta_local, sp["vals"]),
-          dfinal_ref=(d_final, sp["state"]),
-          qg_ref=(qg, sp["keys"]), kd_ref=(kd, sp["keys"])),
-      outputs=dict(
-          d_delta_ref=(jax.ShapeDtypeStruct(d_o.shape, acc), sp["vals"]),
-          d_next_ref=(jax.ShapeDtypeStruct((bsz, heads, n, dk, dv), w.dtype),
-                      sp["states"]),
-          d_initial_ref=(jax.ShapeDtypeStruct(d_final.shape, acc),
-                         sp["state"])),
-      # Chunk n's dDelta_local is read before chunk n's dDelta is written.
-      aliases=dict(dd_ref="d_delta_ref"),
-      launch=launch, interpret=interpret, name="deltajax_state_backward",
-      chunk_size=chunk_size, scale=scale, dot=dot)
