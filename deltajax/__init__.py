@@ -7,7 +7,9 @@ config=...)``).
 
 from deltajax.api import IMPLEMENTATIONS
 from deltajax.api import gated_delta
+from deltajax.api import gated_delta_commit
 from deltajax.api import gated_delta_step
+from deltajax.api import gated_delta_verify
 from deltajax.api import gdn2
 from deltajax.api import kda
 from deltajax.api import value_checks
@@ -18,6 +20,6 @@ from deltajax import registry
 
 __version__ = "0.1.0"
 
-__all__ = ["IMPLEMENTATIONS", "gated_delta", "gated_delta_step", "gdn2", "kda",
-           "mosaic", "pallas", "parallel", "registry", "value_checks",
-           "__version__"]
+__all__ = ["IMPLEMENTATIONS", "gated_delta", "gated_delta_commit",
+           "gated_delta_step", "gated_delta_verify", "gdn2", "kda", "mosaic",
+           "pallas", "parallel", "registry", "value_checks", "__version__"]

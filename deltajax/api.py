@@ -139,6 +139,35 @@ def _check_cu_seqlens_values(cu_seqlens, total: int) -> None:
                                   cu_seqlens[i]))
 
 
+def _slots_rule(pool_size: int) -> str:
+  return (f"must be below the pool size P = {pool_size} and name each slot "
+          f"at most once (a negative index is a padding row)")
+
+
+def _slot_faults(state_indices, pool_size: int, xp):
+  """Bool ``[B]``: where ``state_indices`` breaks :func:`_slots_rule`: an
+  index past the pool, or a slot that an earlier row names.
+
+  ``xp`` is numpy for concrete indices, jax.numpy for traced ones.
+  """
+  earlier = xp.tril(state_indices[:, None] == state_indices[None, :], -1)
+  repeated = earlier.any(axis=1) & (state_indices >= 0)
+  return (state_indices >= pool_size) | repeated
+
+
+def _check_slot_values(state_indices, pool_size: int) -> None:
+  """Raises ``ValueError`` at the first bad element of concrete ``state_indices``
+  (traced ones: inside :func:`value_checks`)."""
+  if isinstance(state_indices, jax.core.Tracer):
+    return
+  state_indices = np.asarray(state_indices)
+  faults = _slot_faults(state_indices, pool_size, np)
+  if faults.any():
+    i = int(np.argmax(faults))
+    raise ValueError(_broken_rule("state_indices", _slots_rule(pool_size), i,
+                                  state_indices[i]))
+
+
 _VALUE_CHECKS = contextvars.ContextVar("deltajax_value_checks",
                                        default=False)
 
@@ -176,7 +205,8 @@ def _debug_check(name: str, x, ok, rule: str) -> None:
 
 def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
                         dt_bias=None, beta_sigmoid=False,
-                        allow_neg_eigval=False) -> None:
+                        allow_neg_eigval=False, state_indices=None,
+                        pool_size=None) -> None:
   """The inputs' values as :func:`_debug_check` s, inside :func:`value_checks`.
 
   Args:
@@ -189,6 +219,8 @@ def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
       ``(b, w)``, both in ``[0, 2]``.
     cu_seqlens: None, or ``[N + 1]``: starts at 0, non-decreasing, ends at
       T, ``a.shape[1]``.
+    state_indices: None, or the ``[B]`` slots of a pool of ``pool_size``
+      states (:func:`_slots_rule`).
   """
   checks = [(name, x, jnp.isfinite(x), "must be finite")
             for name, x in finite.items() if x is not None]
@@ -214,6 +246,10 @@ def _debug_check_values(finite: dict, a, b, *, cu_seqlens=None, A_log=None,
     checks.append(("cu_seqlens", cu_seqlens,
                    ~_cu_seqlens_faults(cu_seqlens, total, jnp),
                    _cu_seqlens_rule(total)))
+  if state_indices is not None:
+    checks.append(("state_indices", state_indices,
+                   ~_slot_faults(state_indices, pool_size, jnp),
+                   _slots_rule(pool_size)))
   for name, x, ok, rule in checks:
     _debug_check(name, x, ok, rule)
 
@@ -568,18 +604,46 @@ def _gated_delta(q, k, v, a, b, *, scale, initial_state, return_final_state,
   return (o, final_state) if return_final_state else o
 
 
-def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
-                     impl="auto"):
+def _check_state(state, state_indices, shape: tuple, name="state") -> None:
+  """Checks ``state`` ``[B, HV, K, V]`` = ``shape`` or, with ``state_indices``
+  ``[B]``, a pool ``[P, HV, K, V]`` and the slots its rows take."""
+  _check_float(name, state)
+  if state_indices is None:
+    _check_shape(name, state, shape, "[B, HV, K, V]")
+    return
+  _check_int("state_indices", state_indices, shape[:1], "[B]")
+  if (state.ndim != 4 or tuple(state.shape[1:]) != tuple(shape[1:])
+      or not state.shape[0]):
+    raise ValueError(f"with state_indices, {name} must be a pool of shape "
+                     f"[P, HV, K, V] with P >= 1 and HV, K, V = "
+                     f"{tuple(shape[1:])}; got {tuple(state.shape)}")
+  _check_slot_values(state_indices, state.shape[0])
+
+
+def gated_delta_step(state, q, k, v, a, b, *, w=None, state_indices=None,
+                     scale=None, impl="auto"):
   """One decoding step of the gated delta rule (or of Gated DeltaNet-2).
 
   Args:
-    state: ``[B, HV, K, V]``.
+    state: ``[B, HV, K, V]``; with ``state_indices``, a pool of states
+      ``[P, HV, K, V]``.
     q, k: ``[B, H, K]``; v: ``[B, HV, V]`` (``HV = G H``, value head ``j``
       reads query/key head ``j // G``).
     a: ``[B, HV]`` (scalar gate) or ``[B, HV, K]`` (per-channel gate).
     b: ``[B, HV]``; with ``w``, Gated DeltaNet-2's erase gate ``[B, HV, K]``.
     w: None, or Gated DeltaNet-2's write gate ``[B, HV, V]`` (then a is per
       channel; :func:`gdn2`).
+    state_indices: None, or integer ``[B]``: row ``i`` reads and writes the
+      pool's slot ``state_indices[i]``; a negative index is a padding row,
+      which leaves the pool as it is and outputs zeros. A slot may be named
+      once; concrete indices are checked here (a ``ValueError`` names the
+      first repeated or out-of-range one), traced ones (under ``jit``) only
+      inside :func:`value_checks`; unchecked, a repeated slot gets one of
+      its rows' states. The step gathers the B slots, steps them and
+      scatters them back: jit the caller with the pool donated
+      (``donate_argnums``) and XLA updates it in place; the compiled step
+      then holds no pool-sized buffer beyond the donated one (checked with
+      ``compiled.memory_analysis()``, tests/test_step.py).
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
       interpret mode off the GPU) or "auto", which is "jnp" everywhere for
@@ -587,18 +651,23 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
       Triton lowering) but has not yet been compiled and timed on a GPU, so
       it is opt-in. The kernel updates the state in place inside a loop, or
       when the state is donated to an enclosing jit; gradients go through
-      the jnp step.
+      the jnp step. Both run between the same gather and scatter of a pool.
 
-  Values are checked inside :func:`value_checks`, as in :func:`gated_delta`.
+  The state is computed in float32 (float64 for float64 inputs) whatever
+  its dtype. Values are checked inside :func:`value_checks`, as in
+  :func:`gated_delta` (the state of the slots read, and ``state_indices``).
 
   Returns:
-    ``(o, new_state)``: ``[B, HV, V]`` in v's dtype and ``[B, HV, K, V]`` in
-    float32 (float64 for float64 inputs).
+    ``(o, new_state)``: ``o`` ``[B, HV, V]`` in v's dtype; the new state
+    ``[B, HV, K, V]`` in float32 (float64 for float64 inputs), or in the
+    state's dtype for a 16-bit (bfloat16, float16) state; or the new pool,
+    in the pool's dtype.
   """
   state, q, k, v, a, b = (jnp.asarray(x) for x in (state, q, k, v, a, b))
-  w = None if w is None else jnp.asarray(w)
-  for name, x in (("state", state), ("q", q), ("k", k), ("v", v), ("a", a),
-                  ("b", b), ("w", w)):
+  w, state_indices = (None if x is None else jnp.asarray(x)
+                      for x in (w, state_indices))
+  for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b),
+                  ("w", w)):
     if x is not None:
       _check_float(name, x)
   if q.ndim != 3:
@@ -615,36 +684,222 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, scale=None,
   if tuple(a.shape) not in ((bsz, hv), (bsz, hv, dk)):
     raise ValueError(f"a must have shape [B, HV] = {(bsz, hv)} or [B, HV, K] "
                      f"= {(bsz, hv, dk)}; got {tuple(a.shape)}")
-  _check_shape("state", state, (bsz, hv, dk, v.shape[-1]), "[B, HV, K, V]")
+  _check_state(state, state_indices, (bsz, hv, dk, v.shape[-1]))
   scale = _check_scale(scale, dk)
   impl = _step_impl(impl)
   if w is None:
     _check_shape("b", b, (bsz, hv), "[B, HV]")
-    return _step(state, q, k, v, a, b, scale=scale, impl=impl,
-                 check_values=_VALUE_CHECKS.get())
-  _check_shape("a", a, (bsz, hv, dk), "[B, HV, K] (gdn2's per-channel gate)")
-  _check_shape("b", b, (bsz, hv, dk), "[B, HV, K] (the erase gate)")
-  _check_shape("w", w, v.shape, "[B, HV, V] (the write gate)")
-  return _step(state, q, k, v, a, (b, w), scale=scale, impl=impl,
+  else:
+    _check_shape("a", a, (bsz, hv, dk), "[B, HV, K] (gdn2's per-channel gate)")
+    _check_shape("b", b, (bsz, hv, dk), "[B, HV, K] (the erase gate)")
+    _check_shape("w", w, v.shape, "[B, HV, V] (the write gate)")
+    b = (b, w)
+  return _step(state, q, k, v, a, b, state_indices, scale=scale, impl=impl,
                check_values=_VALUE_CHECKS.get())
+
+
+def gated_delta_verify(state, q, k, v, a, b, *, w=None, state_indices=None,
+                       scale=None, impl="auto"):
+  """T tokens from one state per row, with the state after each token: the
+  verification step of speculative decoding.
+
+  Runs :func:`gated_delta_step`'s step over the T draft tokens of each row
+  and returns every intermediate state, so that the caller keeps the state
+  after the last accepted token without computing it again. The pool is
+  read, not written: which tokens are accepted depends on ``o``, so the
+  caller commits afterwards with :func:`gated_delta_commit` (FlashInfer's
+  ``gated_delta_rule_mtp`` keeps its intermediate states in a cache indexed
+  by slot for the same reason).
+
+  Args:
+    state: ``[B, HV, K, V]``, or with ``state_indices`` a pool
+      ``[P, HV, K, V]``.
+    q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``.
+    a: ``[B, T, HV]`` or ``[B, T, HV, K]``; b: ``[B, T, HV]``, or with ``w``
+      Gated DeltaNet-2's erase gate ``[B, T, HV, K]``.
+    w: None, or Gated DeltaNet-2's write gate ``[B, T, HV, V]``.
+    state_indices: None, or integer ``[B]``, as in :func:`gated_delta_step`:
+      row ``i`` starts from slot ``state_indices[i]``; a padding row
+      (negative) gives zero outputs and states.
+    scale, impl: as in :func:`gated_delta_step` (a loop over the tokens of
+      the same step).
+
+  Returns:
+    ``(o, states)``: ``o`` ``[B, T, HV, V]`` in v's dtype and ``states``
+    ``[B, T, HV, K, V]``, ``states[:, t]`` the state after token ``t``, in
+    the dtype :func:`gated_delta_step` returns its new state in (the pool's,
+    with ``state_indices``). Between tokens the state stays in float32
+    (float64 for float64 inputs).
+  """
+  state, q, k, v, a, b = (jnp.asarray(x) for x in (state, q, k, v, a, b))
+  w, state_indices = (None if x is None else jnp.asarray(x)
+                      for x in (w, state_indices))
+  if q.ndim != 4:
+    raise ValueError(f"q must have shape [B, T, H, K]; got "
+                     f"{tuple(q.shape)}")
+  _check_inputs(q, k, v, a, b, None, require_per_channel=w is not None,
+                n_states=q.shape[0], w=w)
+  bsz, _, _, dk = q.shape
+  _check_state(state, state_indices, (bsz, *v.shape[2:3], dk, v.shape[-1]))
+  scale = _check_scale(scale, dk)
+  impl = _step_impl(impl)
+  return _verify(state, q, k, v, a, b if w is None else (b, w), state_indices,
+                 scale=scale, impl=impl, check_values=_VALUE_CHECKS.get())
+
+
+def gated_delta_commit(pool, states, state_indices, accepted):
+  """Writes the state after each row's last accepted token into its pool slot.
+
+  Args:
+    pool: ``[P, HV, K, V]``.
+    states: ``[B, T, HV, K, V]``, from :func:`gated_delta_verify`.
+    state_indices: integer ``[B]``, the slots ``states`` started from; a
+      negative index is a padding row, which writes nothing.
+    accepted: integer ``[B]`` in ``[0, T]``, the tokens accepted per row:
+      slot ``state_indices[i]`` gets ``states[i, accepted[i] - 1]``; 0
+      leaves it as it is. Concrete values are checked here, traced ones
+      inside :func:`value_checks`.
+
+  Returns:
+    The new pool, in the pool's dtype: a gather of B states and a scatter,
+    in place when the caller's jit donates the pool.
+  """
+  pool, states, state_indices, accepted = (
+      jnp.asarray(x) for x in (pool, states, state_indices, accepted))
+  _check_float("states", states)
+  if states.ndim != 5 or 0 in states.shape:
+    raise ValueError(f"states must have shape [B, T, HV, K, V]; got "
+                     f"{tuple(states.shape)}")
+  bsz, t = states.shape[:2]
+  _check_state(pool, state_indices, (bsz, *states.shape[2:]), name="pool")
+  _check_int("accepted", accepted, (bsz,), "[B]")
+  if not isinstance(accepted, jax.core.Tracer):
+    values = np.asarray(accepted)
+    bad = (values < 0) | (values > t)
+    if bad.any():
+      i = int(np.argmax(bad))
+      raise ValueError(_broken_rule("accepted", _accepted_rule(t), i,
+                                    values[i]))
+  return _commit(pool, states, state_indices, accepted,
+                 check_values=_VALUE_CHECKS.get())
+
+
+def _accepted_rule(length: int) -> str:
+  return f"must be in [0, T] = [0, {length}]"
 
 
 def _step_impl(impl: str) -> str:
   """The step's implementation, "jnp" or "pallas", for ``impl``."""
   if impl not in STEP_IMPLEMENTATIONS:
     raise ValueError(f"impl must be one of {STEP_IMPLEMENTATIONS} for "
-                     f"gated_delta_step; got {impl!r}")
+                     f"gated_delta_step and gated_delta_verify; got "
+                     f"{impl!r}")
   return "jnp" if impl == "auto" else impl
+
+
+def _stored_dtype(state, dtype) -> jnp.dtype:
+  """The dtype a new state comes back in: the pool's (with ``state_indices``)
+  or a 16-bit state's own; otherwise the compute dtype ``dtype``."""
+  return state.dtype if state.dtype.itemsize < 4 else jnp.dtype(dtype)
+
+
+def _slots(state_indices, pool_size: int):
+  """``state_indices`` with padding rows (negative) moved past the pool, where
+  a read gives zeros and a write is dropped."""
+  return jnp.where(state_indices < 0, pool_size, state_indices)
+
+
+def _read(pool, state_indices):
+  """The states ``[B, HV, K, V]`` of the rows' slots; zeros at padding rows."""
+  return pool.at[_slots(state_indices, pool.shape[0])].get(mode="fill",
+                                                           fill_value=0)
+
+
+def _write(pool, state_indices, rows):
+  """``pool`` with ``rows`` ``[B, HV, K, V]`` in the rows' slots (none at
+  padding rows)."""
+  return pool.at[_slots(state_indices, pool.shape[0])].set(
+      rows.astype(pool.dtype), mode="drop")
+
+
+def _zero_padding(x, state_indices):
+  """``x`` ``[B, ...]`` with the padding rows zeroed."""
+  keep = (state_indices >= 0).reshape(-1, *(1,) * (x.ndim - 1))
+  return jnp.where(keep, x, 0)
+
+
+def _start(state, q, k, v, a, b, state_indices, check_values):
+  """``(rows, stored)``: the rows' states in the compute dtype, and the dtype
+  new states are returned in; the value checks inside :func:`value_checks`."""
+  rows = state if state_indices is None else _read(state, state_indices)
+  if check_values:  # as in _run
+    _debug_check_values(dict(state=rows, q=q, k=k, v=v), a, b,
+                        state_indices=state_indices,
+                        pool_size=state.shape[0])
+  dtype = common.compute_dtype(q, k, v)
+  stored = state.dtype if state_indices is not None else _stored_dtype(
+      state, dtype)
+  return rows.astype(dtype), stored
+
+
+def _token_step(impl: str, scale: float):
+  """The step of one token, ``(state, q, k, v, a, b) -> (o, new_state)``."""
+  fn = _pallas_step if impl == "pallas" else _jnp_step
+  return lambda state, *token: fn(state, *token, scale)
 
 
 @functools.partial(jax.jit,
                    static_argnames=("scale", "impl", "check_values"))
-def _step(state, q, k, v, a, b, *, scale, impl, check_values):
-  if check_values:  # as in _run
-    _debug_check_values(dict(state=state, q=q, k=k, v=v), a, b)
-  state = state.astype(common.compute_dtype(q, k, v))
-  fn = _pallas_step if impl == "pallas" else _jnp_step
-  return fn(state, q, k, v, a, b, scale)
+def _step(state, q, k, v, a, b, state_indices, *, scale, impl, check_values):
+  rows, stored = _start(state, q, k, v, a, b, state_indices, check_values)
+  o, rows = _token_step(impl, scale)(rows, q, k, v, a, b)
+  if state_indices is None:
+    return o, rows.astype(stored)
+  return _zero_padding(o, state_indices), _write(state, state_indices, rows)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "impl", "check_values"))
+def _verify(state, q, k, v, a, b, state_indices, *, scale, impl,
+            check_values):
+  """The tokens in a loop that writes each output and state into its
+  ``[B, T, ...]`` buffer in place (a scan's stacked outputs would need a
+  transpose of every state)."""
+  rows, stored = _start(state, q, k, v, a, b, state_indices, check_values)
+  step = _token_step(impl, scale)
+  bsz, t = q.shape[:2]
+  tokens = (q, k, v, a, b)
+  if state_indices is None:
+    keep = lambda x: x
+  else:
+    keep = lambda x: _zero_padding(x, state_indices)
+
+  def token(i, carry):
+    rows, o, states = carry
+    at = lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
+    o_i, rows = step(rows, *jax.tree.map(at, tokens))
+    o = jax.lax.dynamic_update_index_in_dim(o, keep(o_i), i, 1)
+    states = jax.lax.dynamic_update_index_in_dim(
+        states, keep(rows).astype(stored), i, 1)
+    return rows, o, states
+
+  o = jnp.zeros_like(v)
+  states = jnp.zeros((bsz, t, *rows.shape[1:]), stored)
+  _, o, states = jax.lax.fori_loop(0, t, token, (rows, o, states))
+  return o, states
+
+
+@functools.partial(jax.jit, static_argnames=("check_values",))
+def _commit(pool, states, state_indices, accepted, *, check_values):
+  bsz, t = states.shape[:2]
+  if check_values:
+    _debug_check("state_indices", state_indices,
+                 ~_slot_faults(state_indices, pool.shape[0], jnp),
+                 _slots_rule(pool.shape[0]))
+    _debug_check("accepted", accepted, (accepted >= 0) & (accepted <= t),
+                 _accepted_rule(t))
+  last = states[jnp.arange(bsz), jnp.maximum(accepted - 1, 0)]
+  return _write(pool, jnp.where(accepted > 0, state_indices, -1), last)
 
 
 def _jnp_step(state, q, k, v, a, b, scale):
