@@ -1,10 +1,14 @@
 """gated_delta_step's kernel (impl="pallas", Pallas interpret mode on the CPU)
 against the float64 reference, the jnp step and a call over the sequence
-(the GPU run: tests/test_gpu.py)."""
+(the GPU run: tests/test_gpu.py); the step on a pool of states,
+gated_delta_verify and gated_delta_commit against the sequence call, and
+16-bit states."""
 
 import functools
+import re
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,3 +139,222 @@ def test_pallas_gradients_are_the_jnp_steps(x64, gate):
 
 def test_auto_takes_jnp_until_the_kernel_is_timed_on_a_gpu():
   assert api._step_impl("auto") == "jnp"
+
+
+# --- A pool of states, speculative decoding ---------------------------------
+
+# B = 3 rows on a pool of P = 6 slots: row 1 is padding, slots 0, 2, 3 unused.
+SLOTS = np.array([4, -1, 1], np.int32)
+POOL_SIZE = 6
+
+
+def _pool_inputs(gate, seed, length, value_heads=2):
+  """float64 numpy ``(pool, (q, k, v, a, b, w))`` for the rows of :data:`SLOTS`:
+  B = 3, H = 2, K = V = 16; ``w`` None but for "gdn2"."""
+  x = utils.random_inputs(seed, batch=3, length=length, heads=2, key_dim=16,
+                          value_dim=16, per_channel=gate != "gdn",
+                          value_heads=value_heads, states=POOL_SIZE)
+  b, w = x.b, None
+  if gate == "gdn2":
+    rng = np.random.default_rng(seed)
+    b = rng.uniform(0.0, 1.0, x.a.shape)
+    w = rng.uniform(0.0, 1.0, x.v.shape)
+  return x.initial_state, (x.q, x.k, x.v, x.a, b, w)
+
+
+def _sequence_call(tokens, s0):
+  """``(o, final_state)`` of the sequence call (impl="scan") from ``s0``."""
+  q, k, v, a, b, w = tokens
+  if w is not None:
+    return deltajax.gdn2(q, k, v, a, b, w, initial_state=s0, impl="scan",
+                         return_final_state=True)
+  return utils.gated_delta("scan", q, k, v, a, b, s0)
+
+
+def _real_rows(x):
+  return np.asarray(x)[SLOTS >= 0]
+
+
+@pytest.mark.parametrize("impl", ("jnp", "pallas"))
+def test_pool_step_matches_sequence_call(x64, impl):
+  """Grouped heads (HV = 2 H): the rows step their slots; unused slots stay,
+  and the padding row outputs zeros."""
+  pool, tokens = _pool_inputs("gdn", seed=21, length=1, value_heads=4)
+  q, k, v, a, b, _ = (None if y is None else y[:, 0] for y in tokens)
+  o, new_pool = deltajax.gated_delta_step(pool, q, k, v, a, b,
+                                          state_indices=SLOTS, impl=impl)
+  ref_o, ref_s = _sequence_call(tokens, pool[np.maximum(SLOTS, 0)])
+  np.testing.assert_allclose(_real_rows(o), _real_rows(ref_o[:, 0]), rtol=0,
+                             atol=1e-12)
+  np.testing.assert_allclose(np.asarray(new_pool)[[4, 1]], _real_rows(ref_s),
+                             rtol=0, atol=1e-12)
+  unused = [0, 2, 3, 5]
+  np.testing.assert_array_equal(np.asarray(new_pool)[unused], pool[unused])
+  np.testing.assert_array_equal(o[1], 0)
+
+
+def test_donated_pool_is_updated_in_place():
+  """No pool-sized buffer beyond the donated one: the step's temporaries
+  hold the B slots, not the pool."""
+  pool = jnp.zeros((64, 2, 32, 32))  # 512 KiB, 64 slots
+  q, v, a = jnp.zeros((4, 2, 32)), jnp.zeros((4, 2, 32)), jnp.zeros((4, 2))
+  step = jax.jit(lambda pool, slots: deltajax.gated_delta_step(
+      pool, q, q, v, a, a, state_indices=slots), donate_argnums=0)
+  memory = step.lower(pool, jnp.arange(4)).compile().memory_analysis()
+  assert memory.alias_size_in_bytes == pool.nbytes
+  assert memory.temp_size_in_bytes < pool.nbytes // 4
+
+
+def test_repeated_slots_are_refused():
+  pool, tokens = _pool_inputs("gdn", seed=22, length=1)
+  q, k, v, a, b = (y[:, 0] for y in tokens[:5])
+  step = functools.partial(deltajax.gated_delta_step, pool, q, k, v, a, b)
+  for slots in ([1, 3, 1], [-1, 5, 6]):  # a repeat; past the pool
+    bad = len(slots) - 1
+    message = (rf"state_indices must be below the pool size P = 6 and name "
+               rf"each slot at most once .*; got state_indices\[{bad}\]")
+    with pytest.raises(ValueError, match=message):
+      step(state_indices=np.array(slots))
+  step(state_indices=np.array([-1, 2, -1]))  # padding rows may repeat
+  with deltajax.value_checks():  # traced indices: checked under checkify
+    error, _ = checkify.checkify(jax.jit(lambda i: step(state_indices=i)),
+                                 errors=checkify.user_checks)(
+                                     jnp.array([1, 3, 1]))
+  assert re.search(r"state_indices must .*; got state_indices\[2\] = 1",
+                   error.get())
+
+
+@pytest.mark.parametrize("gate, length, pooled",
+                         [("gdn", 8, True), ("kda", 1, False),
+                          ("gdn2", 5, True)])
+def test_verify_matches_sequence_call_and_steps(x64, gate, length, pooled):
+  """Outputs and the last state against the sequence call; every state
+  against as many steps of :func:`deltajax.gated_delta_step`."""
+  pool, tokens = _pool_inputs(gate, seed=23, length=length)
+  start = pool[np.maximum(SLOTS, 0)]
+  options = dict(w=tokens[5], state_indices=SLOTS) if pooled else dict(
+      w=tokens[5])
+  o, states = deltajax.gated_delta_verify(pool if pooled else start,
+                                          *tokens[:5], **options)
+  assert o.shape == tokens[2].shape
+  assert states.shape == (3, length, *pool.shape[1:])
+  rows = _real_rows if pooled else np.asarray
+  ref_o, ref_s = _sequence_call(tokens, start)
+  np.testing.assert_allclose(rows(o), rows(ref_o), rtol=0, atol=1e-12)
+  np.testing.assert_allclose(rows(states[:, -1]), rows(ref_s), rtol=0,
+                             atol=1e-12)
+  state = start
+  for t in range(length):
+    token = tuple(None if y is None else y[:, t] for y in tokens)
+    _, state = deltajax.gated_delta_step(state, *token[:5], w=token[5])
+    np.testing.assert_allclose(rows(states[:, t]), rows(state), rtol=0,
+                               atol=1e-12)
+  if pooled:
+    np.testing.assert_array_equal(o[1], 0)
+    np.testing.assert_array_equal(states[1], 0)
+
+
+def test_verify_runs_the_pallas_step():
+  pool, tokens = _pool_inputs("kda", seed=24, length=3)
+  args = (jnp.asarray(pool, jnp.float32),
+          *(jnp.asarray(y, jnp.float32) for y in tokens[:5]))
+  got = deltajax.gated_delta_verify(*args, state_indices=SLOTS,
+                                    impl="pallas")
+  ref = deltajax.gated_delta_verify(*args, state_indices=SLOTS, impl="jnp")
+  for x, y in zip(got, ref):
+    assert utils.relative_max_error(x, y) < 1e-5
+
+
+def test_commit_writes_the_last_accepted_state():
+  """Row 0 accepts 2 of 3 tokens into slot 4; row 2 none (slot 1 stays);
+  row 1 is padding."""
+  pool, tokens = _pool_inputs("gdn", seed=25, length=3)
+  pool = jnp.asarray(pool, jnp.float32)
+  _, states = deltajax.gated_delta_verify(
+      pool, *(jnp.asarray(y, jnp.float32) for y in tokens[:5]),
+      state_indices=SLOTS)
+  new_pool = deltajax.gated_delta_commit(pool, states, SLOTS,
+                                         np.array([2, 3, 0]))
+  expected = np.asarray(pool).copy()
+  expected[4] = states[0, 1]
+  np.testing.assert_array_equal(new_pool, expected)
+
+
+def test_bfloat16_state_stays_bfloat16_and_accurate():
+  """32 steps with a bfloat16 state against a float32 state (bounds: twice
+  docs/accuracy.md's 4096-step measurement at K = V = 64, 3.5e-3 for o and
+  4.0e-3 for the state; a state rounded by truncation, kept in float16 or
+  computed in bfloat16 exceeds them). verify rounds only its outputs: its
+  states are the float32 carry's, rounded."""
+  pool, tokens = _pool_inputs("kda", seed=26, length=32)
+  s0 = jnp.asarray(pool[:3], jnp.bfloat16)
+  tokens = tuple(jnp.asarray(y, jnp.float32) for y in tokens[:5])
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def decode(state, dtype):
+    def step(state, token):
+      o, state = deltajax.gated_delta_step(state, *token)
+      return state, o
+    xs = tuple(jnp.moveaxis(y, 1, 0) for y in tokens)
+    return jax.lax.scan(step, state.astype(dtype), xs)
+
+  s16, o16 = decode(s0, jnp.bfloat16)
+  s32, o32 = decode(s0, jnp.float32)
+  assert s16.dtype == jnp.bfloat16
+  assert utils.relative_rms_error(o16, o32) < 7e-3
+  assert utils.relative_rms_error(s16, s32) < 8e-3
+  _, states16 = deltajax.gated_delta_verify(s0, *tokens)
+  _, states32 = deltajax.gated_delta_verify(s0.astype(jnp.float32), *tokens)
+  assert states16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(states16, states32.astype(jnp.bfloat16))
+
+
+def _bad_calls():
+  """``{name: (error, message, call)}``: calls with one bad argument."""
+  pool = jnp.zeros((6, 2, 8, 8))
+  q, v, a = jnp.zeros((3, 2, 8)), jnp.zeros((3, 2, 8)), jnp.zeros((3, 2))
+  step = functools.partial(deltajax.gated_delta_step, pool, q, q, v, a, a)
+  verify = functools.partial(deltajax.gated_delta_verify, pool, q[:, None],
+                             q[:, None], v[:, None], a[:, None], a[:, None])
+  slots = jnp.array([0, 1, 2])
+  states = jnp.zeros((3, 4, 2, 8, 8))
+  return {
+      "float slots": (TypeError, r"state_indices must be an integer array",
+                      lambda: step(state_indices=jnp.zeros(3))),
+      "slots [B, 1]": (ValueError, r"state_indices must have shape \[B\]",
+                       lambda: step(state_indices=slots[:, None])),
+      "pool [P, HV, V, K]": (ValueError, r"state must be a pool of shape "
+                             r"\[P, HV, K, V\]", lambda: deltajax.
+                             gated_delta_step(pool[..., :4], q, q, v, a, a,
+                                              state_indices=slots)),
+      "pool without slots": (ValueError, r"state must have shape \[B, HV, K, "
+                             r"V\]", lambda: step()),
+      "verify q [B, H, K]": (ValueError, r"q must have shape \[B, T, H, K\]",
+                             lambda: deltajax.gated_delta_verify(
+                                 pool, q, q, v, a, a, state_indices=slots)),
+      "verify state": (ValueError, r"state must have shape \[B, HV, K, V\]",
+                       lambda: verify()),
+      "verify b [B, T, HV, K]": (ValueError, r"b must have shape \[B, T, HV\]",
+                                 lambda: deltajax.gated_delta_verify(
+                                     pool, q[:, None], q[:, None], v[:, None],
+                                     a[:, None], q[:, None],
+                                     state_indices=slots)),
+      "commit accepted > T": (ValueError, r"accepted must be in \[0, T\] = "
+                              r"\[0, 4\]; got accepted\[1\] = 5",
+                              lambda: deltajax.gated_delta_commit(
+                                  pool, states, slots, jnp.array([0, 5, 1]))),
+      "commit states [B, HV, K, V]": (ValueError, r"states must have shape",
+                                      lambda: deltajax.gated_delta_commit(
+                                          pool, states[:, 0], slots, slots)),
+      "commit int pool": (TypeError, r"pool must be a floating-point array",
+                          lambda: deltajax.gated_delta_commit(
+                              jnp.zeros((6, 2, 8, 8), jnp.int32), states,
+                              slots, slots)),
+  }
+
+
+@pytest.mark.parametrize("name", tuple(_bad_calls()))
+def test_bad_arguments_are_named(name):
+  error, message, call = _bad_calls()[name]
+  with pytest.raises(error, match=message):
+    call()
