@@ -10,6 +10,7 @@ from flax import nnx
 
 import deltajax
 from deltajax import nn
+import utils
 
 LAYERS = (nn.GatedDeltaNet, nn.KimiDeltaAttention, nn.GatedDeltaNet2,
           nn.DeltaNet)
@@ -183,6 +184,22 @@ def test_bfloat16_parameters_and_activations(cls):
   assert cache.conv.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32
   y_step, cache = layer(x[:, :1], cache=cache)
   assert y_step.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32
+
+
+def test_bfloat16_cache_state_stays_bfloat16():
+  """Prefill and a decoded token keep the cache's bfloat16 state, and the
+  outputs stay near those of a float32 state."""
+  layer = _layer(nn.KimiDeltaAttention)
+  x = _inputs((2, 6, D_MODEL))
+  outputs = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    cache = layer.init_cache(2, state_dtype=dtype)
+    y, cache = layer(x[:, :5], cache=cache)
+    y_step, cache = layer(x[:, 5:], cache=cache)
+    assert cache.state.dtype == dtype
+    outputs[dtype] = y_step
+  assert utils.relative_rms_error(outputs[jnp.bfloat16],
+                                  outputs[jnp.float32]) < 1e-2
 
 
 def test_allow_neg_eigval_doubles_beta():
