@@ -1,6 +1,6 @@
 """The documentation's runnable examples run: README.md's "## Example",
 docs/layers.md's "## A layer of your own" and "## Real models: ...", and
-docs/api.md's "## Value checks"."""
+docs/api.md's "## Serving: ..." and "## Value checks"."""
 
 import pathlib
 import re
@@ -48,6 +48,13 @@ def test_value_checks_example_runs(capsys):
   _run_section("docs/api.md", "## Value checks")
   out = capsys.readouterr().out
   assert "a must be <= 0" in out and "got a[0, 3, 1] = 0.5" in out, out
+
+
+def test_serving_example_runs(capsys):
+  _run_section("docs/api.md",
+               "## Serving: a pool of states, speculative decoding")
+  out = capsys.readouterr().out
+  assert "(3, 4, 2, 32) (3, 4, 2, 32, 32) bfloat16" in out, out
 
 
 def test_real_models_example_runs(capsys):
