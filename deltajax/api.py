@@ -740,7 +740,7 @@ def gated_delta_verify(state, q, k, v, a, b, *, w=None, state_indices=None,
   _check_inputs(q, k, v, a, b, None, require_per_channel=w is not None,
                 n_states=q.shape[0], w=w)
   bsz, _, _, dk = q.shape
-  _check_state(state, state_indices, (bsz, *v.shape[2:3], dk, v.shape[-1]))
+  _check_state(state, state_indices, (bsz, v.shape[2], dk, v.shape[3]))
   scale = _check_scale(scale, dk)
   impl = _step_impl(impl)
   return _verify(state, q, k, v, a, b if w is None else (b, w), state_indices,
@@ -798,8 +798,8 @@ def _step_impl(impl: str) -> str:
 
 
 def _stored_dtype(state, dtype) -> jnp.dtype:
-  """The dtype a new state comes back in: the pool's (with ``state_indices``)
-  or a 16-bit state's own; otherwise the compute dtype ``dtype``."""
+  """The dtype a new state (not a pool) comes back in: a 16-bit state's own,
+  else the compute dtype ``dtype``."""
   return state.dtype if state.dtype.itemsize < 4 else jnp.dtype(dtype)
 
 
@@ -869,10 +869,8 @@ def _verify(state, q, k, v, a, b, state_indices, *, scale, impl,
   step = _token_step(impl, scale)
   bsz, t = q.shape[:2]
   tokens = (q, k, v, a, b)
-  if state_indices is None:
-    keep = lambda x: x
-  else:
-    keep = lambda x: _zero_padding(x, state_indices)
+  keep = ((lambda x: x) if state_indices is None
+          else functools.partial(_zero_padding, state_indices=state_indices))
 
   def token(i, carry):
     rows, o, states = carry
