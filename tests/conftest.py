@@ -1,5 +1,6 @@
 """pytest fixtures shared by the test files."""
 
+import importlib.metadata
 import os
 
 # Parallel workers (pytest-xdist, ``-n``) share one GPU: none of them takes
@@ -8,6 +9,14 @@ import os
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+
+# Off the GPU the tests compile far more than they run (an interpreted kernel
+# is a large XLA program): without LLVM's optimisation passes the CPU
+# compiles them in about two thirds of the time.
+if not any((d.metadata["Name"] or "").lower().replace("_", "-")
+           .startswith("jax-cuda") for d in importlib.metadata.distributions()):
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, (
+      os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0")))
 
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("deltajax", "benchmarks", "tests")  # every .py below is in BUILD
-README_TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest -q tests'
+README_TEST_COMMAND = ('pip install -e ".[test]" && '
+                       'python -m pytest -q -n auto tests')
 
 
 def _glob(*args, **kwargs):

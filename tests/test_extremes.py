@@ -107,7 +107,8 @@ def _floored_inputs(gate, seed):
 
 @pytest.mark.parametrize("dtype", (jnp.float64, jnp.float32),
                          ids=("float64", "float32"))
-@pytest.mark.parametrize("gate", ("gdn", "kda", "kda single channels"))
+@pytest.mark.parametrize("gate", ("gdn", utils.slow("kda"),
+                                  "kda single channels"))
 @pytest.mark.parametrize("impl", ("scan", "chunked", "pallas"))
 def test_floored_gates_against_the_float64_reference(impl, gate, dtype):
   """A gate at the floor is a full forget: scan and chunked make it a cut

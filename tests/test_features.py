@@ -61,8 +61,9 @@ def _check_vjp(fn, ref, args, seed, key):
   _assert_close(pullback(cotangents), grads)
 
 
-CU_SEQLENS = ([0, 15, 100, 300, 1200, 2000], [0, 122, 229, 400, 1000], [0, 1],
-              [0, 5, 5, 70])  # the last has an empty sequence
+# Long sequences (slow), a sequence of one token, an empty sequence.
+CU_SEQLENS = (utils.slow([0, 15, 100, 300, 1200, 2000]),
+              utils.slow([0, 122, 229, 400, 1000]), [0, 1], [0, 5, 5, 70])
 
 
 @pytest.mark.usefixtures("x64")
@@ -193,7 +194,8 @@ def test_cu_seqlens_may_be_traced_without_recompiling():
 
 
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("heads", ((2, 4), (2, 8), (4, 8)), ids=str)
+@pytest.mark.parametrize("heads", ((2, 4), utils.slow((2, 8)),
+                                   utils.slow((4, 8))), ids=str)
 @pytest.mark.parametrize("gate", ("gdn", "kda"))
 @pytest.mark.parametrize("impl", _supporting("grouped"))
 def test_grouped_value_heads_equal_repeated_keys(impl, gate, heads):

@@ -3,9 +3,12 @@
 import re
 import runpy
 
+import pytest
+
 from deltajax import registry
 
 
+@pytest.mark.slow  # every implementation, the Pallas kernels interpreted
 def test_demo_reports_every_implementation_close_to_scan(capsys):
   runpy.run_module("deltajax", run_name="__main__")
   out = capsys.readouterr().out

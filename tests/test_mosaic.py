@@ -152,6 +152,7 @@ def test_mosaic_strong_gates_stay_finite():
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
 
 
+@pytest.mark.slow
 def test_mosaic_pieces_match_float64():
   """The one-warpgroup scan cut into four pieces (``Config(pieces=4)``;
   ``"auto"``'s choice where the scan's CTAs leave most multiprocessors

@@ -345,7 +345,7 @@ def test_packed_segments_equal_separate_sequences(cls):
                              atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ("scan", "chunked"))
+@pytest.mark.parametrize("impl", (utils.slow("scan"), "chunked"))
 @pytest.mark.parametrize("cls", LAYERS)
 def test_a_non_finite_segment_leaves_the_others_alone(cls, impl):
   """A NaN in the middle one of three packed sequences (a chunk each): the

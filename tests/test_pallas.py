@@ -311,10 +311,10 @@ CONTRACT = [((2, 48, 2, 4, 20), 16, True, False),
             ((1, 64, 1, 2, 48), 32, True, False),
             ((1, 128, 2, 4, 20), 64, True, False),
             ((1, 64, 1, 2, 48), 32, False, False),
-            ((2, 48, 2, 4, 20), 16, True, True),
+            utils.slow((2, 48, 2, 4, 20), 16, True, True),
             ((1, 64, 1, 2, 48), 32, True, True),
             ((1, 128, 1, 2, 20), 64, True, True),
-            ((1, 64, 1, 2, 48), 32, False, True)]
+            utils.slow((1, 64, 1, 2, 48), 32, False, True)]
 
 
 @pytest.mark.parametrize("shape,chunk_size,cuts,per_channel", CONTRACT)
@@ -327,7 +327,7 @@ def test_contract_gva_cuts_chunk_sizes(shape, chunk_size, cuts, per_channel):
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
-@pytest.mark.parametrize("cuts", [False, True])
+@pytest.mark.parametrize("cuts", [utils.slow(False), True])
 def test_contract_packed_sequences(cuts, per_channel):
   """Five sequences in seven chunks of 16: one of three chunks, one of one
   chunk, one without chunks (its state passes through), GVA (1, 2)."""
@@ -338,7 +338,7 @@ def test_contract_packed_sequences(cuts, per_channel):
   _check_contract(args, cut, chunk_seq, cts, 16)
 
 
-@pytest.mark.parametrize("packing", ["cu_seqlens", "segment_ids"])
+@pytest.mark.parametrize("packing", ["cu_seqlens", utils.slow("segment_ids")])
 def test_kda_packed_through_the_api(packing):
   """``deltajax.kda(impl="pallas")`` with cu_seqlens (one sequence shorter
   than a chunk, one over two chunks) or segment_ids (cuts mid-chunk),
@@ -388,8 +388,8 @@ def test_pallas_kda_strong_gates_are_stable():
         name, utils.relative_rms_error(g, r))
 
 
-@pytest.mark.parametrize("over", [15, 31])
-@pytest.mark.parametrize("fall", [0.99, 1.01])
+@pytest.mark.parametrize("over", [15, utils.slow(31)])
+@pytest.mark.parametrize("fall", [utils.slow(0.99), 1.01])
 def test_pallas_kda_at_the_factoring_bound(fall, over):
   """Channels whose gate falls by just under (fast path: factors near
   ``e^SPAN``) or just over (the next path) ``intra.SPAN`` over every 16-token
@@ -459,7 +459,8 @@ def test_kernels_lower_for_triton(dtype, features, gate):
     assert f'name = "deltajax_{name}"' in text, name
 
 
-@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("per_channel", [False, utils.slow(True)],
+                         ids=["gdn", "kda"])
 def test_pallas_blocks_of_channels_change_nothing(per_channel):
   """The kernels that work by blocks of key channels (ut_backward, the intra
   kernels) or of value columns give, with blocks of 16, the outputs and

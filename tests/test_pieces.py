@@ -36,7 +36,8 @@ def _w(x, seed):
 
 
 @pytest.mark.parametrize("gate", ["head", "channel", "gdn2"])
-@pytest.mark.parametrize("pieces,length", [(3, 77), (4, 64), (1, 40)])
+@pytest.mark.parametrize("pieces,length", [(3, 77), utils.slow(4, 64),
+                                           utils.slow(1, 40)])
 def test_pieces_match_one_call(gate, pieces, length):
   """Outputs, final state and every gradient: grouped value heads, K != V,
   an initial state, T not a multiple of pieces * chunk_size."""

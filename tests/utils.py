@@ -23,6 +23,12 @@ GPU_TESTS = [
 ]
 
 
+def slow(*values, **kwargs):
+  """A case of a parametrised test that runs with ``-m slow`` only: the
+  default run keeps one case per behaviour, the slow run the whole grid."""
+  return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
+
+
 class Float64TestCase(chex.TestCase):
   """A ``chex.TestCase`` whose tests run with ``jax_enable_x64``."""
 
