@@ -112,7 +112,8 @@ def test_final_cache_state_matches_one_call(cls):
     _, cache = layer(x[:, i:i + 1], cache=cache)
   np.testing.assert_allclose(cache.state, prefilled.state, rtol=1e-5,
                              atol=1e-5)
-  np.testing.assert_allclose(cache.conv, prefilled.conv)
+  # The projections of one token and of seven round differently.
+  np.testing.assert_allclose(cache.conv, prefilled.conv, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.KimiDeltaAttention,
