@@ -40,12 +40,15 @@ def _inputs(extreme, per_channel, seed, **shape):
   return tuple(jnp.asarray(t, jnp.float32) for t in x)
 
 
-def _value_and_grads(impl, args):
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grads(impl, *args):
+  """Outputs and gradients; one compilation per implementation and shape,
+  shared by the extremes."""
   def loss(*args):
     o, s = utils.gated_delta(impl, *args)
     return jnp.sum(o * o) + jnp.sum(s), (o, s)
-  (_, outputs), grads = jax.jit(jax.value_and_grad(
-      loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+  (_, outputs), grads = jax.value_and_grad(
+      loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
   return outputs, grads
 
 
@@ -64,7 +67,8 @@ def _assert_agree(chunked, scan):
 def test_extremes_are_finite_and_agree(extreme, per_channel):
   args = _inputs(extreme, per_channel, seed=6000 + list(EXTREMES).index(
       extreme), batch=1, heads=2, key_dim=16, value_dim=8)
-  results = {impl: _value_and_grads(impl, args) for impl in ("chunked", "scan")}
+  results = {impl: _value_and_grads(impl, *args)
+             for impl in ("chunked", "scan")}
   for impl, result in results.items():
     chex.assert_tree_all_finite(result, custom_message=f"{impl} {extreme}")
   _assert_agree(results["chunked"], results["scan"])
