@@ -12,9 +12,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
   assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "kernels_and_benchmarks",
-                                         "associative_recall"}
+                                         "associative_recall", "generation",
+                                         "real_model_layers"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
