@@ -39,8 +39,8 @@ setup(
             "chex>=0.1.90",
             "numpy>=2.0.0",
             "pytest>=8.0.0",
-            # The GPU tests compile once per shape, in parallel workers
-            # (``pytest -m gpu -n 8``).
+            # The tests run in parallel workers (``pytest -n auto``; the GPU
+            # tests ``-n 8``): compiling dominates.
             "pytest-xdist>=3.5.0",
             "flax>=0.12.2",
             "optax>=0.2.4",
