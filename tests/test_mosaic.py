@@ -181,6 +181,17 @@ def test_mosaic_segment_ids_match_float64():
   interpreter's time)."""
   x = _packed_inputs(41, False, key_dim=64, value_dim=32)
   _check(x, options=dict(segment_ids=SEGMENT_IDS))
+  # The same kernels as an unpacked call's, forward and backward, on
+  # either path.
+  def kernels(options):
+    loss = lambda *z: deltajax.gated_delta(
+        *z[:5], initial_state=z[5], impl="mosaic", **options).sum()
+    return _kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(
+        *_args(x)).jaxpr)
+  for x64 in (True, False):
+    with jax.enable_x64(x64):
+      unpacked = kernels({})
+      assert unpacked and kernels(dict(segment_ids=SEGMENT_IDS)) == unpacked
 
 
 def test_mosaic_per_channel_segment_ids_match_float64():
