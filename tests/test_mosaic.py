@@ -214,6 +214,71 @@ def test_mosaic_cu_seqlens_match_float64():
   _check(x, options=dict(cu_seqlens=cu))
 
 
+# Three documents in T = 192 (three chunks of 64), the first one chunk 0,
+# with a NaN in the middle one: name -> (the cuts' kind, the last
+# document's first token, the tokens that keep their values), as
+# tests/test_features.py's BOUNDARIES at chunks of 64.
+_BOUNDARIES = {
+    "segment_ids": ("segment_ids", 128, np.r_[0:64, 128:192]),
+    "a=-inf": ("a=-inf", 128, np.r_[0:64, 128:192]),
+    # The chunk of a cut carries the entry state's NaN across it (K e^g S,
+    # with e^g = 0 past the cut): the final state and the last chunk leak.
+    "segment_ids inside a chunk": ("segment_ids", 160, np.r_[0:64]),
+}
+_LEAKS = {
+    "segment_ids inside a chunk": "a cut inside a chunk multiplies the "
+                                  "entry state by a zero decay",
+}
+
+
+def _isolation_cases():
+  for gate in ("gdn", "kda"):
+    for boundary in _BOUNDARIES:
+      marks = ()
+      if boundary in _LEAKS:
+        marks = pytest.mark.xfail(strict=True, reason=_LEAKS[boundary])
+      yield pytest.param(gate, boundary, True, marks=marks,
+                         id=f"{gate}-{boundary}")
+  # The three-warpgroup scan and reverse pass (per head, outside x64).
+  yield pytest.param("gdn", "segment_ids", False, id="gdn-segment_ids-3wg")
+
+
+@pytest.mark.parametrize("gate,boundary,x64", _isolation_cases())
+def test_mosaic_non_finite_document_leaves_the_others_alone(gate, boundary,
+                                                            x64):
+  """A NaN in the middle one of three documents cut at chunk boundaries
+  (:data:`_BOUNDARIES`): the others' outputs, the final state and the
+  gradients of their inputs and of the initial state equal those of clean
+  inputs (row 0 clean, row 1 with the NaN, in one call): the kernels select
+  a zero state where a chunk's first token is a full forget, and a zero
+  cotangent carried back across it, never multiply by a zero decay."""
+  kind, second, others = _BOUNDARIES[boundary]
+  x = utils.random_inputs(47, batch=1, length=192, heads=1, value_heads=2,
+                          key_dim=64, value_dim=64, per_channel=gate == "kda",
+                          gate_scale=0.1, state_scale=0.1)
+  x = type(x)(*(np.concatenate([t, t]) for t in x))
+  tokens = np.arange(192)
+  ids = (tokens >= 64).astype(int) + (tokens >= second)
+  options = dict(segment_ids=np.stack([ids, ids]))
+  if kind == "a=-inf":
+    a = x.a.copy()
+    a[:, [64, second]] = -np.inf
+    x, options = x._replace(a=a), None
+  v = x.v.copy()
+  v[1, 70, 1, 3] = np.nan
+  x = x._replace(v=v)
+  cts = tuple(np.concatenate([c[:1], c[:1]])
+              for c in utils.random_cotangents(1, x))
+  with jax.enable_x64(x64):
+    got = _value_and_grads("mosaic", _args(x), cts, options=options)
+  for name, g in got.items():
+    if g.shape[1] == 192:  # per token
+      g = g[:, others]
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g[1], g[0], rtol=1e-6, atol=1e-6,
+                               err_msg=name)
+
+
 @pytest.mark.slow
 def test_mosaic_pieces_match_float64():
   """The one-warpgroup scan cut into four pieces (``Config(pieces=4)``;

@@ -214,6 +214,15 @@ def cut_into_gate(a, cut):
   return jnp.where(cut, common.LOG_DECAY_FLOOR, a)
 
 
+def mark_forgets(g_end, a):
+  """Per channel: the gate at each chunk's end ``g_end [B, HV, T / C, K]``
+  at ``-inf`` where the chunk's first token is a full forget (``a [B, T,
+  HV, K]`` at :data:`common.LOG_DECAY_FLOOR`), its decay still 0: the
+  kernels select a zero state there (:func:`scan.forgets`)."""
+  first = jnp.moveaxis(a[:, ::CHUNK], 1, 2) <= common.LOG_DECAY_FLOOR
+  return jnp.where(first, -jnp.inf, g_end)
+
+
 def _schedule(per_channel):
   """The scan's schedule (:data:`scan.SCHEDULES`): three warpgroups for the
   per-head gate, but one per channel, and one under ``jax_enable_x64``
@@ -315,6 +324,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   if a.shape[-1] > 1:
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
         scale, q, k, a, b, keep_g=save)
+    g = mark_forgets(g, a)
   else:
     g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
                                  q.shape[-1], mg.interpret)
@@ -384,7 +394,7 @@ def _output(mg, *, q, k, g, states, delta, d_o, scale, fused, **_):
 
 
 def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
-             decayed, maps, **_):
+             decayed, maps, a, **_):
   """:func:`reverse.backward`: per channel (``decayed``: ``(Q e^g, K
   e^{g_C - g})``; g at each chunk's end) those in place of q and k;
   :func:`reverse.specialized` where W is left to it (w None: it forms W
@@ -397,6 +407,7 @@ def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
   else:
     if decayed is not None:
       q, k = decayed
+      g = mark_forgets(g, a)
     run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
                             d_delta_local, scale=scale,
                             per_channel=decayed is not None)
@@ -471,7 +482,8 @@ def _bwd(scale, plan, residuals, cotangents):
       stages.Stages(
           w_u=functools.partial(_w_u, mg, fused=fused),
           output_backward=functools.partial(_output, mg, fused=fused),
-          reverse=functools.partial(_reverse, mg, maps=maps),
+          reverse=functools.partial(_reverse, mg, maps=maps,
+                                    a=residuals.a),
           ut_backward=functools.partial(_ut, mg),
           intra_backward=functools.partial(_intra, mg)),
       scale, CHUNK, _pallas_config(), residuals, cotangents)[:6]
