@@ -232,15 +232,21 @@ _LEAKS = {
 
 
 def _isolation_cases():
+  """(gate, boundary, x64): by default each boundary once and the
+  per-channel cuts (KDA's other cases, and the three-warpgroup schedule's
+  at 40 s, under ``-m slow``)."""
   for gate in ("gdn", "kda"):
     for boundary in _BOUNDARIES:
-      marks = ()
+      marks = []
       if boundary in _LEAKS:
-        marks = pytest.mark.xfail(strict=True, reason=_LEAKS[boundary])
+        marks.append(pytest.mark.xfail(strict=True, reason=_LEAKS[boundary]))
+      if gate == "kda" and boundary != "segment_ids":
+        marks.append(pytest.mark.slow)
       yield pytest.param(gate, boundary, True, marks=marks,
                          id=f"{gate}-{boundary}")
   # The three-warpgroup scan and reverse pass (per head, outside x64).
-  yield pytest.param("gdn", "segment_ids", False, id="gdn-segment_ids-3wg")
+  yield pytest.param("gdn", "segment_ids", False, marks=pytest.mark.slow,
+                     id="gdn-segment_ids-3wg")
 
 
 @pytest.mark.parametrize("gate,boundary,x64", _isolation_cases())
