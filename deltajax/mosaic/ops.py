@@ -210,7 +210,10 @@ def cut_into_gate(a, cut):
   kernel. The gradient of a at a cut is 0, as below the floor
   (:func:`deltajax.stages.backward`; per channel, the scores' backward).
   A full forget is a cut in the contract too
-  (:meth:`deltajax.common.ChunkGate.of`)."""
+  (:meth:`deltajax.common.ChunkGate.of`). Where it falls on a chunk's
+  first token the scans and reverse passes also select a zero entry state
+  and cotangent (:func:`scan.forgets`), so that a non-finite one stays
+  behind."""
   return jnp.where(cut, common.LOG_DECAY_FLOOR, a)
 
 
