@@ -150,7 +150,7 @@ REGISTRY = {
     # forward+backward, at every shape timed (benchmarks/RESULTS.md).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
-        chunk_sizes=(64,), packed=False, native=("gpu",), emulated=True,
+        chunk_sizes=(64,), native=("gpu",), emulated=True,
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
         max_head_dim=mosaic.MAX_HEAD_DIM, config=mosaic.Config),
 }

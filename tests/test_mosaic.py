@@ -44,19 +44,20 @@ TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, da=0.02,
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "config"))
-def _vjp(args, cts, *, impl, config):
+def _vjp(args, cts, options, *, impl, config):
   f = lambda *x: deltajax.gated_delta(
       *x[:5], initial_state=x[5], impl=impl, return_final_state=True,
-      config=config)
+      config=config, **options)
   out, vjp = jax.vjp(f, *args)
   return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
 
 
-def _value_and_grads(impl, args, cts, config=None):
+def _value_and_grads(impl, args, cts, config=None, options=None):
   """``{name: float64 numpy}``: outputs and gradients, under one jit (one
-  compilation for the tests of one shape)."""
-  out, grads = _vjp(args, tuple(jnp.asarray(c) for c in cts), impl=impl,
-                    config=config)
+  compilation for the tests of one shape); ``options``: gated_delta's
+  packing arrays (segment_ids, cu_seqlens)."""
+  out, grads = _vjp(args, tuple(jnp.asarray(c) for c in cts),
+                    dict(options or {}), impl=impl, config=config)
   return {n: np.asarray(x, np.float64)
           for n, x in zip(TOLERANCES, (*out, *grads))}
 
@@ -68,19 +69,21 @@ def _args(x, dtype=jnp.bfloat16):
 
 
 def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True,
-           config=None):
+           config=None, options=None):
   """Mosaic on q, k, v in ``dtype`` against the token recurrence
   (``impl="scan"``) in float64 on the same values;
   under ``jax_enable_x64`` (``x64``: the kernels' int32 indexing holds
   there, and the scan takes one warpgroup) or outside it (as ``"auto"``
-  runs: three warpgroups)."""
+  runs: three warpgroups); ``options``: packing (numpy segment_ids or
+  cu_seqlens)."""
   cts = utils.random_cotangents(1, x)
   args = _args(x, dtype)
   with jax.enable_x64(x64):
-    got = _value_and_grads("mosaic", args, cts, config)
+    got = _value_and_grads("mosaic", args, cts, config, options)
   with jax.enable_x64(True):
     ref = _value_and_grads(
-        "scan", tuple(jnp.asarray(t, jnp.float64) for t in args), cts)
+        "scan", tuple(jnp.asarray(t, jnp.float64) for t in args), cts,
+        options=options)
   for name, tol in tolerances.items():
     assert np.all(np.isfinite(got[name])), name
     err = utils.relative_rms_error(got[name], ref[name])
@@ -150,6 +153,136 @@ def test_mosaic_strong_gates_stay_finite():
   a[:, 70] = a[:, 100] = -30.0
   _check(x._replace(a=a, initial_state=0.1 * x.initial_state),
          tolerances=dict.fromkeys(TOLERANCES, 0.05))
+
+
+# Documents of B = 2 rows of T = 192 (three chunks of 64), by their
+# lengths: of one token (at a chunk's first token and inside one), ending
+# at a chunk's end (63 from token 1, 64) and crossing chunk borders (65,
+# 63 from token 129).
+_DOCUMENTS = ((1, 63, 65, 63), (64, 1, 64, 63))
+SEGMENT_IDS = np.array([np.repeat(np.arange(len(d)), d) for d in _DOCUMENTS])
+
+
+def _packed_inputs(seed, per_channel, **shape):
+  """Inputs for :data:`SEGMENT_IDS` with grouped value heads (HV = 2H)."""
+  return utils.random_inputs(seed, batch=2, length=192, heads=1,
+                             value_heads=2, per_channel=per_channel,
+                             gate_scale=0.1, state_scale=0.1, **shape)
+
+
+def test_mosaic_segment_ids_match_float64():
+  """segment_ids with Gated DeltaNet's gate: each document from a zero
+  state, the cuts folded into the gate
+  (:func:`deltajax.mosaic.ops.cut_into_gate`); weak gates, so that a state
+  that crossed a cut would show. Outputs, final states and every gradient
+  against the scan in float64, K = 64, V = 32 (padded to 64). The
+  one-warpgroup path: the folded gate is data, which the three-warpgroup
+  kernels take as they are (they match here too, at six times the
+  interpreter's time)."""
+  x = _packed_inputs(41, False, key_dim=64, value_dim=32)
+  _check(x, options=dict(segment_ids=SEGMENT_IDS))
+  # The same kernels as an unpacked call's, forward and backward, on
+  # either path.
+  def kernels(options):
+    loss = lambda *z: deltajax.gated_delta(
+        *z[:5], initial_state=z[5], impl="mosaic", **options).sum()
+    return _kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(
+        *_args(x)).jaxpr)
+  for x64 in (True, False):
+    with jax.enable_x64(x64):
+      unpacked = kernels({})
+      assert unpacked and kernels(dict(segment_ids=SEGMENT_IDS)) == unpacked
+
+
+def test_mosaic_per_channel_segment_ids_match_float64():
+  """segment_ids with KDA's gate: the Pallas scores and T take the folded
+  cuts as full forgets, the Mosaic GPU scan, reverse pass, ut_backward and
+  scores' backward (the Pallas pass where the gate falls at a cut)."""
+  x = _packed_inputs(43, True, key_dim=64, value_dim=64)
+  _check(x, options=dict(segment_ids=SEGMENT_IDS))
+
+
+def test_mosaic_cu_seqlens_match_float64():
+  """cu_seqlens (B = 1, per-sequence initial and final states): sequences
+  of 1, 63, 64 and 65 tokens, the last two crossing chunk borders in the
+  packed input (their layout is chunk-aligned), each from its own initial
+  state; the Pallas kernels' scans run them."""
+  cu = np.cumsum([0, 1, 63, 64, 65])
+  x = utils.random_inputs(45, batch=1, length=int(cu[-1]), heads=1,
+                          value_heads=2, key_dim=64, value_dim=64,
+                          gate_scale=0.1, state_scale=0.1, states=4)
+  _check(x, options=dict(cu_seqlens=cu))
+
+
+# Three documents in T = 192 (three chunks of 64), the first one chunk 0,
+# with a NaN in the middle one: name -> (the cuts' kind, the last
+# document's first token, the tokens that keep their values), as
+# tests/test_features.py's BOUNDARIES at chunks of 64.
+_BOUNDARIES = {
+    "segment_ids": ("segment_ids", 128, np.r_[0:64, 128:192]),
+    "a=-inf": ("a=-inf", 128, np.r_[0:64, 128:192]),
+    # The chunk of a cut carries the entry state's NaN across it (K e^g S,
+    # with e^g = 0 past the cut): the final state and the last chunk leak.
+    "segment_ids inside a chunk": ("segment_ids", 160, np.r_[0:64]),
+}
+_LEAKS = {
+    "segment_ids inside a chunk": "a cut inside a chunk multiplies the "
+                                  "entry state by a zero decay",
+}
+
+
+def _isolation_cases():
+  """(gate, boundary, x64): by default each boundary once and the
+  per-channel cuts (KDA's other cases, and the three-warpgroup schedule's
+  at 40 s, under ``-m slow``)."""
+  for gate in ("gdn", "kda"):
+    for boundary in _BOUNDARIES:
+      marks = []
+      if boundary in _LEAKS:
+        marks.append(pytest.mark.xfail(strict=True, reason=_LEAKS[boundary]))
+      if gate == "kda" and boundary != "segment_ids":
+        marks.append(pytest.mark.slow)
+      yield pytest.param(gate, boundary, True, marks=marks,
+                         id=f"{gate}-{boundary}")
+  # The three-warpgroup scan and reverse pass (per head, outside x64).
+  yield pytest.param("gdn", "segment_ids", False, marks=pytest.mark.slow,
+                     id="gdn-segment_ids-3wg")
+
+
+@pytest.mark.parametrize("gate,boundary,x64", _isolation_cases())
+def test_mosaic_non_finite_document_leaves_the_others_alone(gate, boundary,
+                                                            x64):
+  """A NaN in the middle one of three documents cut at chunk boundaries
+  (:data:`_BOUNDARIES`): the others' outputs, the final state and the
+  gradients of their inputs and of the initial state equal those of clean
+  inputs (row 0 clean, row 1 with the NaN, in one call): the kernels select
+  a zero state where a chunk's first token is a full forget, and a zero
+  cotangent carried back across it, never multiply by a zero decay."""
+  kind, second, others = _BOUNDARIES[boundary]
+  x = utils.random_inputs(47, batch=1, length=192, heads=1, value_heads=2,
+                          key_dim=64, value_dim=64, per_channel=gate == "kda",
+                          gate_scale=0.1, state_scale=0.1)
+  x = type(x)(*(np.concatenate([t, t]) for t in x))
+  tokens = np.arange(192)
+  ids = (tokens >= 64).astype(int) + (tokens >= second)
+  options = dict(segment_ids=np.stack([ids, ids]))
+  if kind == "a=-inf":
+    a = x.a.copy()
+    a[:, [64, second]] = -np.inf
+    x, options = x._replace(a=a), None
+  v = x.v.copy()
+  v[1, 70, 1, 3] = np.nan
+  x = x._replace(v=v)
+  cts = tuple(np.concatenate([c[:1], c[:1]])
+              for c in utils.random_cotangents(1, x))
+  with jax.enable_x64(x64):
+    got = _value_and_grads("mosaic", _args(x), cts, options=options)
+  for name, g in got.items():
+    if g.shape[1] == 192:  # per token
+      g = g[:, others]
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g[1], g[0], rtol=1e-6, atol=1e-6,
+                               err_msg=name)
 
 
 @pytest.mark.slow
@@ -592,7 +725,6 @@ def test_default_kernels_are_the_same_compiled_and_interpreted(
 
 @pytest.mark.parametrize("option,message", [
     (dict(chunk_size=32), "chunk_size must be one of"),
-    (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids"),
     (dict(key_dim=256), "head dims up to 128"),
     (dict(dtype=jnp.float32), "q, k and v must be bfloat16 or float16"),
 ])

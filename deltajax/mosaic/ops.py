@@ -53,9 +53,16 @@ scan, and in the backward a local reverse pass per piece whose shares of
 the entry cotangents are carried back through the maps' transposes before
 the reverse pass walks every piece (:func:`_reverse_in_pieces`).
 
+Cuts (``segment_ids``) are folded into the gate, a full forget at every
+cut token (:func:`cut_into_gate`): the same kernels, the same work, the
+decays across a cut 0 in float32. Packed sequences (``cu_seqlens``:
+``chunk_seq``, per-sequence initial and final states) run on the Pallas
+kernels (:func:`deltajax.pallas.ops.gated_delta_pallas`), whose scans
+take them.
+
 Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
 dims up to 128, grouped value heads (the kernels read q/k head ``j //
-G``); not Gated DeltaNet-2's gates, cuts or packed sequences.
+G``), cuts and packed sequences; not Gated DeltaNet-2's gates.
 """
 
 from __future__ import annotations
@@ -134,21 +141,24 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet) or
       ``W = K`` (KDA, per key channel).
     b: ``[B, T, HV]`` beta.
-    initial_state: ``[B, HV, K, V]``.
-    cut, chunk_seq: must be None (no packed sequences).
+    initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
+    cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
+      into a (:func:`cut_into_gate`).
+    chunk_seq: None or int32 ``[T / 64]`` (B = 1): the Pallas kernels run
+      the call (:func:`deltajax.pallas.ops.gated_delta_pallas`).
     scale: Python float multiplying q.
     chunk_size: 64.
     config: :class:`Config` (None: the defaults).
 
   Returns:
-    ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] in
+    ``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] in
     initial_state's dtype)``, differentiable (custom VJP).
 
   Raises:
     TypeError: ``config`` is not a :class:`Config`.
-    ValueError: ``chunk_size`` is not 64, packed sequences, Gated
-      DeltaNet-2's gates, head dims above 128, q, k, v not 16-bit, or
-      ``config.pieces`` does not divide the chunks.
+    ValueError: ``chunk_size`` is not 64, Gated DeltaNet-2's gates, head
+      dims above 128, q, k, v not 16-bit, or ``config.pieces`` does not
+      divide the chunks (not read with chunk_seq).
   """
   if config is None:
     config = Config()
@@ -158,9 +168,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if chunk_size != CHUNK:
     raise ValueError(f"impl='mosaic' needs chunk_size = {CHUNK}; got "
                      f"{chunk_size}")
-  if cut is not None or chunk_seq is not None:
-    raise ValueError("impl='mosaic' does not support segment_ids or "
-                     "cu_seqlens")
   if isinstance(b, tuple):
     raise ValueError("impl='mosaic' has no Gated DeltaNet-2 gates")
   dims = (q.shape[-1], v.shape[-1])
@@ -170,6 +177,13 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
+  if chunk_seq is not None:
+    # Per-sequence initial and final states: the Pallas kernels' scans.
+    return pallas_ops.gated_delta_pallas(
+        q, k, v, a, b, initial_state, cut, chunk_seq, scale=scale,
+        chunk_size=chunk_size)
+  if cut is not None:
+    a = cut_into_gate(a, cut)
   n_chunks = -(-q.shape[1] // CHUNK)
   pieces = config.pieces
   if pieces is None:
@@ -183,6 +197,33 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32))
   return o.astype(v.dtype), final.astype(initial_state.dtype)
+
+
+def cut_into_gate(a, cut):
+  """The log decay ``a`` with the cuts folded in: a full forget (a at
+  :data:`common.LOG_DECAY_FLOOR`) at every cut token. Every decay across a
+  cut then holds a factor ``e^-200``, 0 in float32 (below its smallest
+  subnormal), so the kernels' products stop there: the chunk's entry state
+  does not reach the tokens after the cut nor its exit state, the tokens
+  before it do not reach those after it, in the scores, in T and in the
+  state's update, forward and backward, with no more data or work in any
+  kernel. The gradient of a at a cut is 0, as below the floor
+  (:func:`deltajax.stages.backward`; per channel, the scores' backward).
+  A full forget is a cut in the contract too
+  (:meth:`deltajax.common.ChunkGate.of`). Where it falls on a chunk's
+  first token the scans and reverse passes also select a zero entry state
+  and cotangent (:func:`scan.forgets`), so that a non-finite one stays
+  behind."""
+  return jnp.where(cut, common.LOG_DECAY_FLOOR, a)
+
+
+def mark_forgets(g_end, a):
+  """Per channel: the gate at each chunk's end ``g_end [B, HV, T / C, K]``
+  at ``-inf`` where the chunk's first token is a full forget (``a [B, T,
+  HV, K]`` at :data:`common.LOG_DECAY_FLOOR`), its decay still 0: the
+  kernels select a zero state there (:func:`scan.forgets`)."""
+  first = jnp.moveaxis(a[:, ::CHUNK], 1, 2) <= common.LOG_DECAY_FLOOR
+  return jnp.where(first, -jnp.inf, g_end)
 
 
 def _schedule(per_channel):
@@ -286,6 +327,7 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
   if a.shape[-1] > 1:
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
         scale, q, k, a, b, keep_g=save)
+    g = mark_forgets(g, a)
   else:
     g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
                                  q.shape[-1], mg.interpret)
@@ -355,7 +397,7 @@ def _output(mg, *, q, k, g, states, delta, d_o, scale, fused, **_):
 
 
 def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
-             decayed, maps, **_):
+             decayed, maps, a, **_):
   """:func:`reverse.backward`: per channel (``decayed``: ``(Q e^g, K
   e^{g_C - g})``; g at each chunk's end) those in place of q and k;
   :func:`reverse.specialized` where W is left to it (w None: it forms W
@@ -368,6 +410,7 @@ def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
   else:
     if decayed is not None:
       q, k = decayed
+      g = mark_forgets(g, a)
     run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
                             d_delta_local, scale=scale,
                             per_channel=decayed is not None)
@@ -442,7 +485,8 @@ def _bwd(scale, plan, residuals, cotangents):
       stages.Stages(
           w_u=functools.partial(_w_u, mg, fused=fused),
           output_backward=functools.partial(_output, mg, fused=fused),
-          reverse=functools.partial(_reverse, mg, maps=maps),
+          reverse=functools.partial(_reverse, mg, maps=maps,
+                                    a=residuals.a),
           ut_backward=functools.partial(_ut, mg),
           intra_backward=functools.partial(_intra, mg)),
       scale, CHUNK, _pallas_config(), residuals, cotangents)[:6]

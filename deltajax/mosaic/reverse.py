@@ -173,9 +173,17 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
     sh.neg[...] = (-d_delta / unit).astype(sh.neg.dtype)
     plgpu.commit_smem()
     store(sh.out, d_delta_ref, (bi, tokens, h, cols))
-    return unit * mg.mm([(core.T(sh.q.at[slot]), reads),
-                         (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
-                        decay(slot, ds) / unit)
+    ds = unit * mg.mm([(core.T(sh.q.at[slot]), reads),
+                       (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
+                      decay(slot, ds) / unit)
+    return entry(slot, ds)
+
+  def entry(slot, ds):
+    """The cotangent of the chunk's entry state, zero where its first token
+    is a full forget (:func:`scan.forgets`)."""
+    if per_channel:
+      return scan.forgets(mg, ds, g_end=mg.load(sh.g.at[slot], ROWS))
+    return scan.forgets(mg, ds, g_first=sh.g[slot, 0])
 
   # This CTA's columns of its row's dS.
   state_at = lambda ref: ref.at[row, h, :, cols]
@@ -308,6 +316,8 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
           [([(read_t.astype(dtype), sh.q.at[slot]),
              ((-d_delta_t).astype(dtype), sh.w.at[slot])], ds_t.shape,
             jnp.exp(g_end) * ds_t)], meanwhile=stores)
+      # Zero where the chunk's first token is a full forget: selected.
+      ds_t = scan.forgets(mg, ds_t, g_first=sh.g[slot, 0])
       plgpu.barrier_arrive(sh.free.at[slot])
       return ds_t
 

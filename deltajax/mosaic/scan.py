@@ -73,6 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from deltajax import common
 from deltajax.mosaic import core
 from deltajax.mosaic import ut
 from deltajax.mosaic.core import COLS, ROWS, WGMMA
@@ -235,6 +236,15 @@ class _Chunk(NamedTuple):
           sh.y.dtype)
     plgpu.commit_smem()
 
+  def entry(self, s):
+    """The state entering the chunk, ``s``, or zeros where the chunk's
+    first token is a full forget (:func:`forgets`): selected, never
+    multiplied by its zero decay, so a non-finite state stops there."""
+    if self.per_channel:
+      g_end = self.mg.load(self.sh.g_end.at[self.slot], ROWS)
+      return forgets(self.mg, s, g_end=g_end)
+    return forgets(self.mg, s, g_first=self.sh.g_rows[self.slot, 0])
+
   def decay(self, s):
     """``e^{g_C} S``: per channel, ``e^{g_C} [K]`` scales S's rows."""
     if self.per_channel:
@@ -355,6 +365,21 @@ class _Chunk(NamedTuple):
     plgpu.copy_smem_to_gmem(self.sh.o, o_ref.at[at])
 
 
+def forgets(mg, s, *, g_first=None, g_end=None):
+  """``s`` (a state or its cotangent, ``[K, BV]``, or transposed ``[BV,
+  K]`` for a per-head gate) selected to zeros where the chunk's first token
+  is a full forget: per head where the chunk-local cumulative gate there
+  (``g_first``, the token's own) is at :data:`common.LOG_DECAY_FLOOR`; per
+  channel by S's rows where ``g_end`` (the gate at the chunk's end, ``[K]``
+  ROWS) is ``-inf``, the mark :func:`deltajax.mosaic.ops.mark_forgets`
+  sets there (the floor at the end alone would not tell a forget at the
+  first token from one later in the chunk)."""
+  del mg
+  if g_end is not None:
+    return jnp.where(core.rows(g_end, s.shape) == -jnp.inf, 0.0, s)
+  return jnp.where(g_first <= common.LOG_DECAY_FLOOR, 0.0, s)
+
+
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
           scale, save, schedule, per_channel, pieces, maps):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
@@ -446,6 +471,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
   if schedule == "one":
     def step(n, s):
       x = begin(n)
+      s = x.entry(s)
       publish_state(s)
       ks, *read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
                                *([] if maps else x.queries())])
@@ -503,6 +529,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     def step(n, s_t):
       x, half = (chunk(n), None) if maps else published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
+      s_t = x.entry(s_t)
       s_lo = s_t.astype(x.dtype)
       # Nothing writes K's slot before the update's meeting.
       (ks_t,) = mg.products([([(s_lo, core.T(sh.k.at[x.slot]))], (BV, C),
