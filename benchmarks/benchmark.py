@@ -227,29 +227,34 @@ def time_fla(fla, inputs, reps):
   return t_fwd, median_ms(fwd_bwd, reps, sync), o, memory
 
 
-def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn",
-                     step_fn=deltajax.gated_delta_step):
-  """Microseconds per :func:`deltajax.gated_delta_step` (its impl="auto": the
-  Pallas kernel on the GPU), or ``step_fn`` of the same signature, inside a
-  jitted loop."""
+def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn", impl="auto",
+                     state_dtype=jnp.float32, pool=0, reps=20):
+  """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop
+  of ``steps`` tokens, its state carried (in ``state_dtype``) from step to
+  step. ``pool``: the states in a pool of ``pool * bsz`` slots, the rows at
+  random distinct slots (``state_indices``), the pool carried instead."""
   q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
   a, b = jax.tree.map(jnp.asarray, (a, b))
   b, write = b if gate == "gdn2" else (b, None)
+  options = dict(impl=impl)
+  if pool:
+    options["state_indices"] = jnp.asarray(np.random.default_rng(2).choice(
+        pool * bsz, bsz, replace=False), jnp.int32)
 
   @jax.jit
   def decode(state):
     def step(t, carry):
       state, acc = carry
       w = {} if write is None else dict(w=write[:, t])
-      o, state = step_fn(state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t],
-                         **w)
+      o, state = deltajax.gated_delta_step(
+          state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], **w, **options)
       return state, acc + o[..., 0].astype(jnp.float32)
     return jax.lax.fori_loop(0, steps, step,
                              (state, jnp.zeros((bsz, h), jnp.float32)))
 
-  state = jnp.zeros((bsz, h, d, d), jnp.float32)
-  return median_ms(lambda: decode(state), 20) * 1e3 / steps
+  state = jnp.zeros(((pool or 1) * bsz, h, d, d), state_dtype)
+  return median_ms(lambda: decode(state), reps) * 1e3 / steps
 
 
 def rel_rms(x, ref):
