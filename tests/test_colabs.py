@@ -33,6 +33,10 @@ def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
   """Runs every cell in a fresh python3 kernel; a failing cell fails the test."""
   monkeypatch.setenv("DELTAJAX_SMALL", "1")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  # The notebooks train models: they run, not just compile, so they get
+  # XLA's optimised CPU code back (conftest turns it off for the tests).
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(
+      "--xla_backend_optimization_level=0", "").strip())
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
       [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
   nb = nbformat.read(path, as_version=4)
