@@ -261,14 +261,13 @@ def rel_rms(x, ref):
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def implementations_for(shape, only=None, gate="gdn"):
+def implementations_for(shape, only=None):
   """deltajax implementations to time at ``shape`` (``only``: a subset)."""
   bsz, t, h = shape[:3]
   impls = ["chunked"]
   if jax.default_backend() == "gpu":
     impls.append("pallas")
-    if gate in ("gdn", "kda") and (pallas.gpu_capability()
-                                   >= mosaic.MIN_CAPABILITY):
+    if pallas.gpu_capability() >= mosaic.MIN_CAPABILITY:
       impls.append("mosaic")
   if bsz * t * h <= SCAN_MAX_TOKENS:
     impls.insert(0, "scan")
@@ -293,7 +292,7 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
   for shape in shapes:
     inputs = make_inputs(shape, gate=gate)
     results = {}
-    for impl in implementations_for(shape, only, gate):
+    for impl in implementations_for(shape, only):
       log(f"{shape} {impl} ...")
       results[impl] = time_jax(deltajax_attention(impl, gate), inputs, reps)
     if jla is not None:

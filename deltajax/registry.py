@@ -147,10 +147,12 @@ REGISTRY = {
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
         auto_gates=("head", "channel", "gdn2"), config=pallas.Config),
     # Hopper only; faster than "pallas" on the H200, forward and
-    # forward+backward, at every shape timed (benchmarks/RESULTS.md).
+    # forward+backward, at every shape timed (benchmarks/RESULTS.md), for
+    # the gates "auto" takes it for.
     "mosaic": Implementation(
-        "mosaic", mosaic.gated_delta_mosaic, gates=("head", "channel"),
+        "mosaic", mosaic.gated_delta_mosaic, gates=GATES,
         chunk_sizes=(64,), native=("gpu",), emulated=True,
+        auto_gates=("head", "channel"),
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
         max_head_dim=mosaic.MAX_HEAD_DIM, config=mosaic.Config),
 }

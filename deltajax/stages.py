@@ -258,6 +258,23 @@ def padded(q, k, v):
   return q, k, common.pad_axis(v.astype(dtype), 3, vp)
 
 
+def read_keys(b, q, k, v):
+  """``(beta, read keys, values)`` for the kernels of either backend. Gated
+  DeltaNet-2's gates ``b = (erase, write)`` become the keys that read the
+  state and form A's rows, ``kr = erase * k`` (per value head, ``[B, T,
+  HV, K]``), the values ``write * v`` and beta 1, outside the kernels' VJP
+  (autodiff carries their cotangents to the gates); beta has no read keys
+  (None)."""
+  if not isinstance(b, tuple):
+    return b, None, v
+  erase, write = b
+  dtype = jnp.result_type(q, k, v)
+  kr = erase * common.repeat_heads(k, v.shape[2] // k.shape[2]).astype(
+      erase.dtype)
+  v = (write * v.astype(write.dtype)).astype(v.dtype)
+  return jnp.ones(erase.shape[:3], erase.dtype), kr.astype(dtype), v
+
+
 def pad_keys(kr, kp):
   """Read keys padded as the keys ``kp`` (None stays None)."""
   return None if kr is None else common.pad_axis(kr, 3, kp.shape[-1])

@@ -268,15 +268,18 @@ def test_kda_pallas_matches_float64_reference(dtype):
   _check("pallas", args, cts, dtype=dtype, label=f"kda pallas {dtype}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32],
-                         ids=("bf16", "float32"))
-def test_gdn2_pallas_matches_float64_reference(dtype):
+@pytest.mark.parametrize("impl,dtype", [
+    ("pallas", jnp.bfloat16), ("pallas", jnp.float32),
+    pytest.param("mosaic", jnp.bfloat16, marks=_needs_hopper),
+    pytest.param("mosaic", jnp.float16, marks=_needs_hopper)],
+    ids=("pallas-bf16", "pallas-float32", "mosaic-bf16", "mosaic-float16"))
+def test_gdn2_matches_float64_reference(impl, dtype):
   """Gated DeltaNet-2 through the kernels at the KDA test's shape and
-  inputs."""
+  inputs ("mosaic": KDA's Mosaic GPU kernels on the read keys)."""
   args, cts = _inputs(1024, 128, seed=12, bsz=2, h=4, per_channel=True,
                       nonnegative_qk=True)
-  _check("pallas", _gdn2_args(args, seed=13), cts, dtype=dtype,
-         label=f"gdn2 pallas {dtype}")
+  _check(impl, _gdn2_args(args, seed=13), cts, dtype=dtype,
+         label=f"gdn2 {impl} {jnp.dtype(dtype).name}")
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64])

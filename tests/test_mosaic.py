@@ -45,11 +45,21 @@ TOLERANCES = dict(o=0.005, s=0.005, dq=0.008, dk=0.008, dv=0.008, da=0.02,
 
 @functools.partial(jax.jit, static_argnames=("impl", "config"))
 def _vjp(args, cts, options, *, impl, config):
-  f = lambda *x: deltajax.gated_delta(
-      *x[:5], initial_state=x[5], impl=impl, return_final_state=True,
-      config=config, **options)
+  """``args``: gated_delta's ``(q, k, v, a, b, initial_state)``, or gdn2's
+  with the write gate w before the state."""
+  rule = deltajax.gdn2 if len(args) == 7 else deltajax.gated_delta
+  f = lambda *x: rule(*x[:-1], initial_state=x[-1], impl=impl,
+                      return_final_state=True, config=config, **options)
   out, vjp = jax.vjp(f, *args)
   return out, vjp(tuple(c.astype(x.dtype) for c, x in zip(cts, out)))
+
+
+def _tolerances(args):
+  """fla's tolerance of each output and gradient (``dw``: gdn2's)."""
+  if len(args) == 6:
+    return TOLERANCES
+  return {**{n: t for n, t in TOLERANCES.items() if n != "dh0"}, "dw": 0.02,
+          "dh0": TOLERANCES["dh0"]}
 
 
 def _value_and_grads(impl, args, cts, config=None, options=None):
@@ -59,24 +69,25 @@ def _value_and_grads(impl, args, cts, config=None, options=None):
   out, grads = _vjp(args, tuple(jnp.asarray(c) for c in cts),
                     dict(options or {}), impl=impl, config=config)
   return {n: np.asarray(x, np.float64)
-          for n, x in zip(TOLERANCES, (*out, *grads))}
+          for n, x in zip(_tolerances(args), (*out, *grads))}
 
 
 def _args(x, dtype=jnp.bfloat16):
-  """q, k, v in ``dtype``, the gate, beta and initial state float32."""
+  """q, k, v in ``dtype``, the gates and initial state float32."""
   return (tuple(jnp.asarray(t, dtype) for t in x[:3])
           + tuple(jnp.asarray(t, jnp.float32) for t in x[3:]))
 
 
-def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True,
+def _check(x, dtype=jnp.bfloat16, tolerances=None, x64=True,
            config=None, options=None):
   """Mosaic on q, k, v in ``dtype`` against the token recurrence
-  (``impl="scan"``) in float64 on the same values;
+  (``impl="scan"``) in float64 on the same values; ``x``: gated_delta's
+  inputs (:class:`utils.Inputs`) or gdn2's (w before the state);
   under ``jax_enable_x64`` (``x64``: the kernels' int32 indexing holds
   there, and the scan takes one warpgroup) or outside it (as ``"auto"``
   runs: three warpgroups); ``options``: packing (numpy segment_ids or
-  cu_seqlens)."""
-  cts = utils.random_cotangents(1, x)
+  cu_seqlens); ``tolerances``: fla's (:func:`_tolerances`) unless given."""
+  cts = utils.random_cotangents(1, utils.Inputs(*x[:5], x[-1]))
   args = _args(x, dtype)
   with jax.enable_x64(x64):
     got = _value_and_grads("mosaic", args, cts, config, options)
@@ -84,7 +95,7 @@ def _check(x, dtype=jnp.bfloat16, tolerances=TOLERANCES, x64=True,
     ref = _value_and_grads(
         "scan", tuple(jnp.asarray(t, jnp.float64) for t in args), cts,
         options=options)
-  for name, tol in tolerances.items():
+  for name, tol in (tolerances or _tolerances(x)).items():
     assert np.all(np.isfinite(got[name])), name
     err = utils.relative_rms_error(got[name], ref[name])
     assert err < tol, (name, err)
@@ -385,6 +396,20 @@ def test_mosaic_per_channel_matches_float64():
   _check(x._replace(a=x.a * np.geomspace(1e-3, 0.3, 100)))
 
 
+def test_mosaic_gdn2_matches_float64():
+  """Gated DeltaNet-2: KDA's kernels on the read keys ``kr = erase * k``
+  (the scan's ``Kr e^g``, W and A's rows: the Mosaic GPU ut_backward and
+  scores' backward take kr and give its cotangent) and ``write * v``.
+  Grouped value heads (kr per value head), T = 150, K = 100 and V = 48
+  padded; outputs and all seven gradients."""
+  x = utils.random_inputs(17, batch=1, length=150, heads=1, value_heads=2,
+                          key_dim=100, value_dim=48, per_channel=True,
+                          state_scale=0.1)
+  rng = np.random.default_rng(17)
+  erase, write = (rng.uniform(0.0, 1.0, y.shape) for y in (x.a, x.v))
+  _check((*x[:4], erase, write, x.initial_state), x64=False)
+
+
 def test_mosaic_per_channel_strong_gates_stay_finite():
   """KDA with a = -5 on every token and channel (the state forgotten within
   a few tokens), b near 2 and nearly aligned keys: nothing overflows, and
@@ -503,20 +528,28 @@ def _per_channel_ut_inputs(seed, heads, value_heads, dk, dv, length=128):
       d_delta=bf16(normal(1, length, value_heads, dv)))
 
 
-@pytest.mark.parametrize("heads,value_heads,dk,dv", [(1, 2, 128, 64)])
-def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
-                                                        dk, dv):
-  """The per-channel (KDA) Mosaic ut_backward on strong gates against the
-  Pallas kernel in float64 on the same 16-bit operands (W and U from T):
-  dk, dv, db, the cumulative gate's dg and dM, with grouped value heads in
-  one case (1.9e-3 relative RMS error at most: the 16-bit roundings of
-  dX, dW and dM's bracket), and the per-channel W of :func:`ut.w`;
-  impl="mosaic"'s adapter refuses read keys."""
+@pytest.mark.parametrize("read_keys", [False, True], ids=("kda", "gdn2"))
+def test_ut_backward_per_channel_matches_the_pallas_one(read_keys):
+  """The per-channel Mosaic ut_backward on strong gates against the Pallas
+  kernel in float64 on the same 16-bit operands (W and U from T): dk, dv,
+  db, the cumulative gate's dg and dM, with grouped value heads (1.9e-3
+  relative RMS error at most: the 16-bit roundings of dX, dW and dM's
+  bracket), and the per-channel W of :func:`ut.w`; with Gated DeltaNet-2's
+  read keys kr (per value head: W's keys), dkr too."""
+  heads, value_heads, dk, dv = 1, 2, 128, 64
   x = _per_channel_ut_inputs(dk + dv + value_heads, heads, value_heads, dk,
                              dv)
-  got = ut_backward.ut_backward(core.Mosaic(interpret=True), **x)
-  got += (ut.w(core.Mosaic(interpret=True),
-               *(x[n] for n in ("k", "g", "b", "t")), heads=value_heads),)
+  w_keys = x["k"]
+  if read_keys:
+    erase = np.random.default_rng(5).uniform(0.0, 1.0, (*x["v"].shape[:3],
+                                                        dk))
+    x["kr"] = w_keys = jnp.asarray(
+        erase * np.repeat(np.asarray(x["k"], np.float64), value_heads, 2),
+        jnp.bfloat16)
+  mg = core.Mosaic(interpret=True)
+  got = ut_backward.ut_backward(mg, **x)
+  got += (ut.w(mg, w_keys, *(x[n] for n in ("g", "b", "t")),
+               heads=value_heads),)
   with jax.enable_x64(True):
     wide = {n: jnp.asarray(y, jnp.float64) for n, y in x.items()}
     config = pallas.Config(interpret=True)
@@ -524,32 +557,33 @@ def test_ut_backward_per_channel_matches_the_pallas_one(heads, value_heads,
     shared = dict(cuts=None, chunk_size=ut.C, interpret=True,
                   dot=config.dot)
     w, u = pallas.ut.w_u(
-        **{n: wide[n] for n in ("k", "v", "g", "b", "t")},
+        k=wide.get("kr", wide["k"]),
+        **{n: wide[n] for n in ("v", "g", "b", "t")},
         launch=launch("w_u"), **shared)
     want = pallas.ut_backward.ut_backward(
         **wide, w=w, u=u, dk_out=None, dg_out=None,
         launch=launch("ut_backward"), **shared)
-  for name, y, ref in zip(("dk", "dv", "db", "dg", "dm", "w"), got,
-                          (*want, w)):
+  names = ("dk", "dv", "db", "dg", "dm", *(("dkr",) if read_keys else ()))
+  assert len(got) == len(want) + 1
+  for name, y, ref in zip((*names, "w"), got, (*want, w)):
     assert y.shape == ref.shape, name
     err = utils.relative_rms_error(np.asarray(y, np.float64),
                                    np.asarray(ref, np.float64))
     assert err < 5e-3, (name, err)
-  with pytest.raises(ValueError, match="no read keys"):
-    ops._ut(core.Mosaic(interpret=True), **x, dk_out=None, dg_out=None,
-            kr=x["k"])
 
 
 def test_per_channel_ut_backward_has_no_races():
   """The interpreter's race detector finds no race in the per-channel
   ut_backward at K = V = 128: the gate's tile, copied in after the value
-  blocks, is read once its copy has arrived. (The interpreter copies at
-  once and runs a warpgroup as one thread: neither a copy out's wait nor
-  a warpgroup barrier is checked.)"""
+  blocks (with Gated DeltaNet-2's read keys in the tile they are decayed
+  in), is read once its copy has arrived. (The interpreter copies at once
+  and runs a warpgroup as one thread: neither a copy out's wait nor a
+  warpgroup barrier is checked.)"""
   x = _per_channel_ut_inputs(5, 1, 1, 128, 128)
   mg = core.Mosaic(interpret=True, detect_races=True)
-  jax.block_until_ready(ut_backward.ut_backward(mg, **x))
-  assert not compat.races_found()
+  for kr in (None, x["k"]):
+    jax.block_until_ready(ut_backward.ut_backward(mg, **x, kr=kr))
+    assert not compat.races_found()
 
 
 def test_chunk_backward_has_no_races():
@@ -610,52 +644,66 @@ def _intra_inputs(seed, heads, value_heads, dk, dv, length=192,
       dg=f32(normal(1, value_heads, length, dk)))
 
 
-# (H, HV, K, V, 16-bit dtype, gate scale): in float16 the gentle chunks'
-# gates fall by about 30 on some channel, factors up to e^15 either side of
-# the midpoint, past float16's e^11.1 (float16 operands gave Inf and NaN).
-_INTRA_CASES = [(1, 2, 128, 128, jnp.bfloat16, 0.05),
-                (1, 1, 64, 64, jnp.float16, 0.5)]
+# (H, HV, K, V, 16-bit dtype, gate scale, read keys): in float16 the gentle
+# chunks' gates fall by about 30 on some channel, factors up to e^15 either
+# side of the midpoint, past float16's e^11.1 (float16 operands gave Inf and
+# NaN); Gated DeltaNet-2's read keys per value head.
+_INTRA_CASES = [(1, 2, 128, 128, jnp.bfloat16, 0.05, False),
+                (1, 1, 64, 64, jnp.float16, 0.5, False),
+                (1, 2, 64, 64, jnp.bfloat16, 0.05, True)]
 
 
 def test_intra_backward_has_no_races():
   """The interpreter's race detector finds no race in the scores' backward
   at K = V = 128: its value blocks' tiles reloaded once read, and dk_in and
-  dg_in arriving in their place after the last."""
+  dg_in (and Gated DeltaNet-2's dkr_in, where dkr is staged) arriving in
+  their place after the last."""
   x = _intra_inputs(6, 1, 1, 128, 128)
   mg = core.Mosaic(interpret=True, detect_races=True)
-  jax.block_until_ready(intra.backward(
-      mg, *(x[n] for n in ops._INTRA_ARGS), scale=0.3))
-  assert not compat.races_found()
+  for read_keys in (None, (x["k"], x["dk"])):
+    x["kr"], x["dkr"] = read_keys or (None, None)
+    jax.block_until_ready(intra.backward(
+        mg, *(x[n] for n in ops._INTRA_ARGS), scale=0.3))
+    assert not compat.races_found()
 
 
-@pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale",
+@pytest.mark.parametrize("heads,value_heads,dk,dv,dtype,gate_scale,read_keys",
                          _INTRA_CASES)
 def test_intra_backward_matches_the_pallas_one(heads, value_heads, dk, dv,
-                                               dtype, gate_scale):
+                                               dtype, gate_scale, read_keys):
   """The scores' backward through the Mosaic GPU kernel (every chunk through
   its midpoint gate; the Pallas pass by blocks after it where the gate
   falls steeply) against the Pallas kernel in float64 on the same 16-bit
   operands: dq, dk, da, db, with grouped value heads in one case, a below
   the floor at a gentle chunk's first token (its da is 0) and a chunk that
-  is not gentle; impl="mosaic"'s adapter refuses read keys."""
+  is not gentle; with Gated DeltaNet-2's read keys kr (A's rows), dkr
+  too."""
   x = _intra_inputs(dk + dv + value_heads, heads, value_heads, dk, dv,
                     dtype=dtype, gate_scale=gate_scale)
+  x["kr"] = x["dkr"] = None
+  if read_keys:
+    rng = np.random.default_rng(dk)
+    erase = rng.uniform(0.0, 1.0, x["dk"].shape)
+    x["kr"] = jnp.asarray(
+        erase * np.repeat(np.asarray(x["k"], np.float64), value_heads, 2),
+        dtype)
+    x["dkr"] = jnp.asarray(rng.standard_normal(x["dk"].shape), jnp.float32)
   config = pallas.Config(interpret=True)
   shared = dict(cuts=None, chunk_size=ut.C, interpret=True, dot=config.dot,
                 launch=config.launch("intra_backward", per_channel=True),
-                scale=0.3, dkr=None)
-  got = ops._intra(core.Mosaic(interpret=True), **x, **shared, kr=None)
+                scale=0.3)
+  got = ops._intra(core.Mosaic(interpret=True), **x, **shared)
   with jax.enable_x64(True):
     want = pallas.intra.backward(
-        **{n: jnp.asarray(y, jnp.float64) for n, y in x.items()}, **shared)
-  for name, y, ref in zip(("dq", "dk", "da", "db"), got, want):
+        **{n: None if y is None else jnp.asarray(y, jnp.float64)
+           for n, y in x.items()}, **shared)
+  assert len(got) == len(want) == 4 + read_keys
+  for name, y, ref in zip(("dq", "dk", "da", "db", "dkr"), got, want):
     assert y.shape == ref.shape, name
     err = utils.relative_rms_error(np.asarray(y, np.float64),
                                    np.asarray(ref, np.float64))
     assert err < 5e-3, (name, err)
   assert not np.any(np.asarray(got[2])[0, 0, :, :dk // 4])
-  with pytest.raises(ValueError, match="no read keys"):
-    ops._intra(core.Mosaic(interpret=True), **x, **shared, kr=x["k"])
 
 
 def test_interpreter_needs_a_thread_per_warpgroup(monkeypatch):
@@ -741,13 +789,6 @@ def test_mosaic_refuses_what_it_lacks(option, message):
                          impl="mosaic", **option)
 
 
-def test_mosaic_refuses_gdn2():
-  """Gated DeltaNet-2's gates."""
-  with pytest.raises(ValueError, match="no 'gdn2' gate"):
-    deltajax.registry.select("mosaic", gate="gdn2", length=64, chunk_size=64,
-                             packed=False, grouped=False)
-
-
 def _lowerings(schedule):
   """``[(fn, abstract args)]``: the kernels of ``schedule``'s path, each
   at K = V = 128 (two V blocks) with grouped value heads, and at the other
@@ -822,6 +863,10 @@ def _lowerings(schedule):
          (shape(1, 128, 1, dk), values, f32(1, 2, 128, dk), vec, chunk_t,
           shape(1, 2, 2, dk, 128), shape(1, 2, 2, dk, 128), values, values))
         for dk in (64, 128)),
+      # ... with Gated DeltaNet-2's read keys.
+      (lambda *x: ut_backward.ut_backward(mg, *x[:-1], kr=x[-1]),
+       (keys, values, f32(1, 2, 128, 128), vec, chunk_t, states, states,
+        values, values, decayed(128))),
       # The scores' backward per channel: q, k, g, b, a, S, dO, Delta, dM,
       # dk_in, dg_in.
       *((lambda *x: intra.backward(mg, *x, scale=0.1),
@@ -829,6 +874,12 @@ def _lowerings(schedule):
           vec, f32(1, 128, 2, dk), shape(1, 2, 2, dk, 128), values, values,
           f32(1, 2, 128, 64), f32(1, 128, 2, dk), f32(1, 2, 128, dk)))
         for dk in (64, 128)),
+      # ... with Gated DeltaNet-2's read keys and the share of their
+      # cotangent.
+      (lambda *x: intra.backward(mg, *x, scale=0.1),
+       (keys, keys, f32(1, 2, 128, 128), vec, f32(1, 128, 2, 128), states,
+        values, values, f32(1, 2, 128, 64), f32(1, 128, 2, 128),
+        f32(1, 2, 128, 128), decayed(128), f32(1, 128, 2, 128))),
       # The per-channel reverse pass: Q e^g, K e^{g_C - g}, W, g at the
       # chunks' ends, dO, dDelta_local, dS.
       *((lambda *x: reverse.backward(mg, *x, scale=0.1, per_channel=True),
@@ -851,9 +902,8 @@ def test_kernels_lower_for_the_gpu(schedule):
   here, without a GPU: Mosaic GPU's layout inference and wgmma operand
   checks run (what the interpreter skips). Lowering also checks that each
   kernel's shared memory fits in 227 KB (the per-channel scan at K = 128:
-  218 KB, the per-channel reverse pass 217 KB, the per-channel ut_backward
-  111 KB, the scores' backward 200 KB with grouped value heads,
-  chunk_backward 226 KB). Under ``jax_enable_x64``, as the other tests run
+  218 KB, the per-channel reverse pass 217 KB, chunk_backward 226 KB; the
+  rest: :func:`test_ut_backward_shared_memory`). Under ``jax_enable_x64``, as the other tests run
   them: an array the wrappers create (the map pass's identity, say) must
   not come out float64. The last kernel under vmap too (impl="auto" runs
   them so on Hopper): a grid axis more."""
@@ -872,8 +922,11 @@ def test_ut_backward_shared_memory():
   gate's tile loaded after the value blocks, in the place of their tiles
   (103 KB with dM staged in 16 bits; 143 KB beside them), and per head:
   97 KB with bfloat16 dk_out and dk, 105 KB with grouped value heads'
-  float32 dk; so do two of the scores' backward. Measured from the
-  lowering for CUDA."""
+  float32 dk; so do two of the scores' backward. Gated DeltaNet-2's read
+  keys take one CTA a multiprocessor: a float32 tile more for dkr in
+  ut_backward (135 KB), kr's tile and dkr_in's in the scores' backward
+  (135 KB, 151 KB with grouped value heads). Measured from the lowering for
+  CUDA."""
   mg = core.Mosaic(interpret=False)
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   fn = lambda *x: ut_backward.ut_backward(mg, *x)
@@ -881,10 +934,12 @@ def test_ut_backward_shared_memory():
   # t, states, d_next, delta, d_delta.
   chunks = (shape(1, 2, 128, 64), shape(1, 2, 2, 128, 128),
             shape(1, 2, 2, 128, 128), values, values)
-  per_channel = compat.shared_memory_bytes(
-      fn, shape(1, 128, 1, 128), values,
-      shape(1, 2, 128, 128, dtype=jnp.float32), vec, *chunks)
-  assert per_channel <= 103 * 1024 + 64, per_channel
+  per_channel = lambda *kr: compat.shared_memory_bytes(
+      lambda *x: ut_backward.ut_backward(mg, *x[:9], kr=(x[9:] or [None])[0]),
+      shape(1, 128, 1, 128), values,
+      shape(1, 2, 128, 128, dtype=jnp.float32), vec, *chunks, *kr)
+  assert per_channel() <= 103 * 1024 + 64, per_channel()
+  assert per_channel(shape(1, 128, 2, 128)) <= 135 * 1024 + 64
   per_head = lambda heads, dtype: compat.shared_memory_bytes(
       fn, shape(1, 128, heads, 128), values, vec, vec, *chunks,
       shape(1, 128, 2, 128, dtype=dtype), vec)
@@ -897,12 +952,18 @@ def test_ut_backward_shared_memory():
   f32 = lambda *s: shape(*s, dtype=jnp.float32)
   for dtype in (jnp.bfloat16, jnp.float16):
     low = lambda *s, dtype=dtype: shape(*s, dtype=dtype)
-    intra_bytes = lambda heads, low=low: compat.shared_memory_bytes(
-        lambda *x: intra.backward(mg, *x, scale=0.1), low(1, 128, 1, 128),
-        low(1, 128, 1, 128), f32(1, heads, 128, 128), f32(1, heads, 128),
-        f32(1, 128, heads, 128), low(1, heads, 2, 128, 128),
-        low(1, 128, heads, 128), low(1, 128, heads, 128),
-        f32(1, heads, 128, 64), f32(1, 128, heads, 128),
-        f32(1, heads, 128, 128))
+    intra_bytes = lambda heads, kr=False, low=low: (
+        compat.shared_memory_bytes(
+            lambda *x: intra.backward(mg, *x, scale=0.1),
+            low(1, 128, 1, 128), low(1, 128, 1, 128),
+            f32(1, heads, 128, 128), f32(1, heads, 128),
+            f32(1, 128, heads, 128), low(1, heads, 2, 128, 128),
+            low(1, 128, heads, 128), low(1, 128, heads, 128),
+            f32(1, heads, 128, 64), f32(1, 128, heads, 128),
+            f32(1, heads, 128, 128),
+            *((low(1, 128, heads, 128), f32(1, 128, heads, 128)) if kr
+              else ())))
     assert intra_bytes(1) <= 113 * 1024, (dtype, intra_bytes(1))
     assert intra_bytes(2) <= 127 * 1024 + 64, (dtype, intra_bytes(2))
+    assert intra_bytes(1, True) <= 135 * 1024 + 64
+    assert intra_bytes(2, True) <= 151 * 1024 + 64

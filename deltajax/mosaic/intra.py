@@ -35,7 +35,11 @@ accumulation; the reverse cumulative sum is one product with an upper
 triangle of ones (in dM's tile), of dg's two bfloat16 halves. dq and dk
 are staged in q's and k's tiles, once read: 111 KB of shared memory, two
 CTAs per multiprocessor (127 KB, one, with grouped value heads' float32
-dq and dk).
+dq and dk). Gated DeltaNet-2's read keys ``kr`` (A's row keys, per value
+head) take K's place in dy's dM term, in db and in da's ``diag(b) u``
+term, and ``diag(b) u`` goes to ``dkr = dkr_in + diag(b) u`` rather than
+dk: kr's tile and dkr_in's (staging dkr) take 135 KB, 151 KB with grouped
+value heads, one CTA.
 """
 
 from __future__ import annotations
@@ -104,10 +108,17 @@ def _value_blocks(mg, refs, at, bar, block_bar, prepare):
   return pl.run_scoped(scope, tile, tile, core.smem((KB, BV), s_ref.dtype))
 
 
-def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
-          dm_ref, dkin_ref, dgin_ref, dq_ref, dk_ref, da_ref, db_ref, q_s, k_s,
-          g_s, kd_s, qu_s, bku_s, dp_s, dm_s, g_first, g_last, a_first, b_s,
-          db_s, bar, block_bar, late_bar, *, groups, scale, out_dtype):
+def _body(mg, *refs, groups, scale, out_dtype, read_keys):
+  """One chunk's 64 key channels; with ``read_keys`` (Gated DeltaNet-2),
+  A's row keys kr and the other kernels' share of their cotangent after the
+  other inputs, kr's cotangent after the other outputs and kr's tile after
+  the other tiles."""
+  n_in, n_out = 11 + 2 * read_keys, 4 + read_keys
+  (q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref, dm_ref,
+   dkin_ref, dgin_ref, *read_in) = refs[:n_in]
+  dq_ref, dk_ref, da_ref, db_ref, *dkr_ref = refs[n_in:n_in + n_out]
+  (q_s, k_s, g_s, kd_s, qu_s, bku_s, dp_s, dm_s, g_first, g_last, a_first,
+   b_s, db_s, bar, block_bar, late_bar, *kr_s) = refs[n_in + n_out:]
   bi, n = lax.axis_index("b"), lax.axis_index("n")
   blocks = q_ref.shape[3] // KB
   h, m = lax.div(lax.axis_index("h"), blocks), lax.rem(lax.axis_index("h"),
@@ -120,11 +131,14 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
                 (g_ref.at[bi, h, n * C + C - 1, channels], g_last),
                 (a_ref.at[bi, n * C, h, channels], a_first),
                 (b_ref.at[bi, h, tokens], b_s),
-                (dm_ref.at[bi, h, tokens], dm_s)), bar)
+                (dm_ref.at[bi, h, tokens], dm_s),
+                *(((read_in[0].at[bi, tokens, h, channels], kr_s[0]),)
+                  if read_keys else ())), bar)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
+  row_keys = kr_s[0] if read_keys else k_s  # A's row keys
 
   def reference():
     """r, the midpoint of the gate's range per channel, in every row."""
@@ -137,18 +151,21 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     up = jnp.exp(g - r)
     kd_s[...] = (load(k_s) * jnp.exp(r - g)).astype(kd_s.dtype)
     qu_s[...] = (scale * up * load(q_s)).astype(qu_s.dtype)
-    bku_s[...] = (beta * load(k_s) * up).astype(bku_s.dtype)
+    bku_s[...] = (beta * load(row_keys) * up).astype(bku_s.dtype)
     dm_s[...] = jnp.where(rows > cols, load(dm_s), 0.0).astype(dm_s.dtype)
 
   d_p, read = _value_blocks(mg, (do_ref, delta_ref, s_ref),
                             (bi, n, h, channels), bar, block_bar, prepare)
 
-  def finish(dkin_s, dgin_s, dq_s):
-    """dq, dk, db and da, with dk_in and dg_in arriving in the value
-    blocks' place."""
+  def finish(dkin_s, dgin_s, *rest):
+    """dq, dk, db and da (and dkr), with dk_in and dg_in (and dkr_in)
+    arriving in the value blocks' place."""
+    dkrin_s = rest[0] if read_keys else None
+    dq_s = rest[-1] if len(rest) > read_keys else q_s
     core.copy_in(((dkin_ref.at[bi, tokens, h, channels], dkin_s),
-                  (dgin_ref.at[bi, h, tokens, channels], dgin_s)),
-                 late_bar)
+                  (dgin_ref.at[bi, h, tokens, channels], dgin_s),
+                  *(((read_in[1].at[bi, tokens, h, channels], dkrin_s),)
+                    if read_keys else ())), late_bar)
     dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
     plgpu.commit_smem()
     dq, u, dy = mg.products([
@@ -159,18 +176,21 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     up = jnp.exp(g - r)
     dq = scale * (up * dq + jnp.exp(g) * read)
     q_dq = load(q_s) * dq  # q is read: its tile stages a 16-bit dq
-    dq_s = q_s if dq_s is None else dq_s
     dq_s[...] = dq.astype(dq_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[bi, tokens, h, channels])
-    k = load(k_s)
+    k, k_row = load(k_s), load(row_keys)
     u = u * up
     dy = dy * jnp.exp(r - g)
-    db_s[...] = jnp.sum(k * u, axis=1)
-    dk_a = core.rows(mg.load(b_s, ROWS), keys) * u
+    db_s[...] = jnp.sum(k_row * u, axis=1)
+    dk_a = core.rows(mg.load(b_s, ROWS), keys) * u  # A's row keys' share
     plgpu.barrier_wait(late_bar)
-    dk = load(dkin_s) + dk_a + dy
-    dg = load(dgin_s) + q_dq + k * (dk_a - dy)
+    dk = load(dkin_s) + dy
+    if read_keys:  # dkr staged in dkr_in's tile
+      dkrin_s[...] = load(dkrin_s) + dk_a
+    else:
+      dk = dk + dk_a
+    dg = load(dgin_s) + q_dq + k_row * dk_a - k * dy
     # dk staged in its own float32 tile, else in k's (read).
     dk_s = dkin_s if jnp.dtype(out_dtype) == jnp.float32 else k_s
     dk_s[...] = dk.astype(dk_s.dtype)
@@ -184,6 +204,9 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dk_s, dk_ref.at[bi, tokens, h, channels])
     plgpu.copy_smem_to_gmem(db_s, db_ref.at[m, bi, h, tokens])
+    if read_keys:
+      plgpu.copy_smem_to_gmem(dkrin_s, dkr_ref[0].at[bi, tokens, h,
+                                                     channels])
     (da,) = mg.products([([(dm_s, qu_s), (dm_s, bku_s)], keys, None)])
     # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
     # tokens' a are above it where the gate falls gently).
@@ -194,14 +217,13 @@ def _body(mg, q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref,
     plgpu.wait_smem_to_gmem(0)
 
   f32_tile = core.smem(keys, jnp.float32)
-  if jnp.dtype(out_dtype) == jnp.float32:  # dq's float32 staging tile too
-    pl.run_scoped(finish, f32_tile, f32_tile, f32_tile)
-  else:
-    pl.run_scoped(lambda dkin_s, dgin_s: finish(dkin_s, dgin_s, None),
-                  f32_tile, f32_tile)
+  # dk_in, dg_in (dkr_in), and dq's float32 staging tile where it has one.
+  tiles = 2 + read_keys + (jnp.dtype(out_dtype) == jnp.float32)
+  pl.run_scoped(finish, *[f32_tile] * tiles)
 
 
-def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
+def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
+             dkr=None, *, scale):
   """The scores' and the output's VJP of every chunk through its gate's
   midpoint (valid where the gate falls gently), added to the other
   kernels' shares.
@@ -215,6 +237,9 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
       T]`` beta; a: ``[B, T, HV, K]`` the log gate (its floor).
     d_m: ``[B, HV, T, C]`` the cotangent of ``M = diag(b) A``; dk: ``[B, T,
       HV, K]``; dg: g's shape: the other kernels' shares (float32).
+    kr, dkr: None, or A's row keys ``[B, T, HV, K]`` in q's dtype (Gated
+      DeltaNet-2's read keys) and the other kernels' share of their
+      cotangent (float32).
     scale: Python float multiplying q.
 
   Returns:
@@ -222,7 +247,7 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
     :func:`deltajax.pallas.intra.backward` leaves them: dq, dk ``[B, T, HV,
     K]`` in q's dtype (float32 with grouped value heads), da ``[B, T, HV,
     K]`` float32, db ``[K / 64, B, HV, T]`` float32 by blocks of key
-    channels.
+    channels; with kr, kr's cotangent ``[B, T, HV, K]`` float32 after them.
   """
   bsz, t_len, h, d = q.shape
   heads, dv = d_o.shape[2:]
@@ -237,17 +262,23 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *, scale):
   keys, square = (C, KB), (C, C)
   vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
   tile, operand = core.smem(keys, dtype), core.smem(keys, OPERANDS)
+  read_keys = kr is not None
   scratch = [tile, tile, core.smem(keys, f32), operand, operand, operand,
              core.smem(square, OPERANDS), core.smem(square, OPERANDS),
              key_vec, key_vec, key_vec, vec, vec,
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS),
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + read_keys),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
-             plgpu.Barrier(num_arrivals=2)]
+             plgpu.Barrier(num_arrivals=2 + read_keys)]
+  read_in = ()
+  if read_keys:
+    out_type.append(jax.ShapeDtypeStruct(per_head, f32))
+    scratch.append(tile)
+    read_in = (kr, dkr)
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, read_keys=read_keys)
   return mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads * (d // KB)), grid_names=("b", "n", "h"),
       kernel_name="deltajax_mosaic_intra_backward",
-      )(q, k, g, b, a, states, d_o, delta, d_m, dk, dg)
+      )(q, k, g, b, a, states, d_o, delta, d_m, dk, dg, *read_in)
 

@@ -60,9 +60,16 @@ decays across a cut 0 in float32. Packed sequences (``cu_seqlens``:
 kernels (:func:`deltajax.pallas.ops.gated_delta_pallas`), whose scans
 take them.
 
-Supported: the per-head and per-channel gates, ``chunk_size = 64``, head
-dims up to 128, grouped value heads (the kernels read q/k head ``j //
-G``), cuts and packed sequences; not Gated DeltaNet-2's gates.
+Gated DeltaNet-2 (``b = (erase, write)``) runs on the per-channel kernels:
+the read keys ``kr = erase * k`` and the values ``write * v``, beta 1
+(:func:`deltajax.stages.read_keys`); the Pallas pass forms ``Kr e^g`` for
+the scan, and W, the backward through the UT transform and the scores'
+backward take kr (A's rows and W's keys) and give their shares of its
+cotangent.
+
+Supported: the per-head and per-channel gates and Gated DeltaNet-2's,
+``chunk_size = 64``, head dims up to 128, grouped value heads (the kernels
+read q/k head ``j // G``), cuts and packed sequences.
 """
 
 from __future__ import annotations
@@ -140,7 +147,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       float16 (the products take them as they are). K, V <= 128.
     a: ``[B, T, HV, W]`` log decay ``<= 0``: ``W = 1`` (Gated DeltaNet) or
       ``W = K`` (KDA, per key channel).
-    b: ``[B, T, HV]`` beta.
+    b: ``[B, T, HV]`` beta, or Gated DeltaNet-2's pair ``(erase [B, T, HV,
+      K], write [B, T, HV, V])`` (with W = K).
     initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
     cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
       into a (:func:`cut_into_gate`).
@@ -156,8 +164,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
 
   Raises:
     TypeError: ``config`` is not a :class:`Config`.
-    ValueError: ``chunk_size`` is not 64, Gated DeltaNet-2's gates, head
-      dims above 128, q, k, v not 16-bit, or ``config.pieces`` does not
+    ValueError: ``chunk_size`` is not 64, head dims above 128, q, k, v not 16-bit, or ``config.pieces`` does not
       divide the chunks (not read with chunk_seq).
   """
   if config is None:
@@ -168,8 +175,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if chunk_size != CHUNK:
     raise ValueError(f"impl='mosaic' needs chunk_size = {CHUNK}; got "
                      f"{chunk_size}")
-  if isinstance(b, tuple):
-    raise ValueError("impl='mosaic' has no Gated DeltaNet-2 gates")
   dims = (q.shape[-1], v.shape[-1])
   if max(dims) > MAX_HEAD_DIM:
     raise ValueError(f"impl='mosaic' supports head dims up to {MAX_HEAD_DIM}; "
@@ -182,6 +187,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     return pallas_ops.gated_delta_pallas(
         q, k, v, a, b, initial_state, cut, chunk_seq, scale=scale,
         chunk_size=chunk_size)
+  b, kr, v = stages.read_keys(b, q, k, v)
   if cut is not None:
     a = cut_into_gate(a, cut)
   n_chunks = -(-q.shape[1] // CHUNK)
@@ -195,7 +201,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   o, final = _mosaic(float(scale), (_schedule(a.shape[-1] > 1), pieces),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
-                     initial_state.astype(jnp.float32))
+                     initial_state.astype(jnp.float32),
+                     None if kr is None else kr.astype(dtype))
   return o.astype(v.dtype), final.astype(initial_state.dtype)
 
 
@@ -273,14 +280,14 @@ def _inverse(mg, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _per_channel_inputs(scale, q, k, a, b, *, keep_g):
+def _per_channel_inputs(scale, q, k, kr, a, b, *, keep_g):
   """The per-channel scan's inputs from
-  :func:`deltajax.pallas.ops.before_scan`: ``(Q e^g, K e^g, g at each
-  chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P), g_whole)``,
-  P ``[B, HV, T, C]`` float32 with the scale; g_whole: with ``keep_g``, g
-  ``[B, HV, T, K]``, else None."""
+  :func:`deltajax.pallas.ops.before_scan`: ``(Q e^g, Kr e^g, g at each
+  chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P), g_whole)``
+  (Kr: the read keys kr, or K), P ``[B, HV, T, C]`` float32 with the
+  scale; g_whole: with ``keep_g``, g ``[B, HV, T, K]``, else None."""
   g_end, beta, _, (qg, kg, kd), t, p, g = pallas_ops.before_scan(
-      scale, CHUNK, _pallas_config(), q, k, None, a, b, None,
+      scale, CHUNK, _pallas_config(), q, k, kr, a, b, None,
       heads=a.shape[2], dtype=jnp.float32, keep_g=keep_g)
   return qg, kg, g_end, beta, t, (kd, p), g
 
@@ -304,29 +311,30 @@ def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
   return jnp.moveaxis(entries, 0, 1).reshape(-1, *entries.shape[2:]), m
 
 
-def _padded(q, k, v, a, initial_state):
+def _padded(q, k, v, a, initial_state, kr):
   """The inputs with their head dims zero-padded to the kernels' widths
   (:func:`_width`), the layout of every kernel, forward and backward; a
-  per-channel gate too (a = 0 on the padded channels, whose keys are 0)."""
+  per-channel gate too (a = 0 on the padded channels, whose keys are 0),
+  and the read keys kr (None stays None)."""
   kw, vw = _width(q.shape[-1]), _width(v.shape[-1])
   q, k = (common.pad_axis(x, 3, kw) for x in (q, k))
   if a.shape[-1] > 1:
     a = common.pad_axis(a, 3, kw)
   return (q, k, common.pad_axis(v, 3, vw), a,
-          stages.pad_state(initial_state, kw, vw))
+          stages.pad_state(initial_state, kw, vw), stages.pad_keys(kr, k))
 
 
-def _forward(plan, scale, q, k, v, a, b, initial_state, save):
+def _forward(plan, scale, q, k, v, a, b, initial_state, kr, save):
   """The outputs and, with ``save``, the backward's residuals, on inputs
   padded by :func:`_padded`."""
   schedule, pieces = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
-  q, k, vp, a, s0 = _padded(q, k, v, a, initial_state)
+  q, k, vp, a, s0, kr = _padded(q, k, v, a, initial_state, kr)
   g_whole = None
   if a.shape[-1] > 1:
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
-        scale, q, k, a, b, keep_g=save)
+        scale, q, k, kr, a, b, keep_g=save)
     g = mark_forgets(g, a)
   else:
     g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
@@ -357,20 +365,21 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, save):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mosaic(scale, plan, q, k, v, a, b, initial_state):
-  """:func:`gated_delta_mosaic` on 16-bit q, k, v and float32 a, b and
-  initial state; scale and ``plan`` (the scan's schedule, its pieces) are
-  static."""
-  return _forward(plan, scale, q, k, v, a, b, initial_state, save=False)[0]
+def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr):
+  """:func:`gated_delta_mosaic` on 16-bit q, k, v (and read keys kr, or
+  None) and float32 a, b and initial state; scale and ``plan`` (the scan's
+  schedule, its pieces) are static."""
+  return _forward(plan, scale, q, k, v, a, b, initial_state, kr,
+                  save=False)[0]
 
 
-def _fwd(scale, plan, q, k, v, a, b, initial_state):
+def _fwd(scale, plan, q, k, v, a, b, initial_state, kr):
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
-                                    initial_state, save=True)
+                                    initial_state, kr, save=True)
   # The backward runs on the padded inputs: its kernels' widths too.
-  q, k, v, a, initial_state = _padded(q, k, v, a, initial_state)
+  q, k, v, a, initial_state, kr = _padded(q, k, v, a, initial_state, kr)
   return outputs, (stages.Residuals(q, k, v, a, b, initial_state, cut=None,
-                                    chunk_seq=None, kr=None, **saved), maps)
+                                    chunk_seq=None, kr=kr, **saved), maps)
 
 
 # The backward's stages (:class:`stages.Stages`) in Mosaic GPU, under their
@@ -444,34 +453,30 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
 def _ut(mg, *, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
         dg_out, kr, q=None, d_o=None, scale=None, **_):
   """:func:`ut_backward.ut_backward` on the stage's arguments (per channel
-  too: dk_out and dg_out None, dM returned after dg); read keys ``kr``
-  (Gated DeltaNet-2's) are refused. Where the output's backward was left
-  to it (a per-head gate with dk_out None),
+  too: dk_out and dg_out None, dM returned after dg, then with read keys
+  ``kr`` their share of dkr). Where the output's backward was left to it
+  (a per-head gate with dk_out None),
   :func:`chunk_backward.chunk_backward` on q, d_o and scale, with dq
   last."""
-  if kr is not None:
-    raise ValueError("the Mosaic GPU ut_backward has no read keys")
   if dk_out is None and g.ndim == 3:
     dq, dk, dv, db, da = chunk_backward.chunk_backward(
         mg, q, k, v, g, b, t, states, d_next, d_o, scale=scale)
     return dk, dv, db, da, dq
   return ut_backward.ut_backward(mg, k, v, g, b, t, states, d_next, delta,
-                                 d_delta, dk_out, dg_out)
+                                 d_delta, dk_out, dg_out, kr)
 
 
-def _intra(mg, *, kr, **kwargs):
+def _intra(mg, **kwargs):
   """:func:`intra.backward` for every chunk, then the Pallas
   :func:`deltajax.pallas.intra.backward` by blocks where the gate is not
-  gentle (its arguments; read keys are refused)."""
-  if kr is not None:
-    raise ValueError("the Mosaic GPU intra backward has no read keys")
+  gentle (its arguments)."""
   done = intra.backward(mg, *(kwargs[n] for n in _INTRA_ARGS),
                         scale=kwargs["scale"])
-  return pallas_intra.backward(**kwargs, kr=None, done=done)
+  return pallas_intra.backward(**kwargs, done=done)
 
 
 _INTRA_ARGS = ("q", "k", "g", "b", "a", "states", "d_o", "delta", "d_m",
-               "dk", "dg")
+               "dk", "dg", "kr", "dkr")
 
 
 def _bwd(scale, plan, residuals, cotangents):
@@ -481,7 +486,7 @@ def _bwd(scale, plan, residuals, cotangents):
   # The three-warpgroup scan's backward: W and dDelta_local formed in the
   # reverse pass, the output's backward in chunk_backward.
   fused = schedule == "specialized"
-  dq, dk, dv, da, db, d_initial = stages.backward(
+  dq, dk, dv, da, db, d_initial, _, _, dkr = stages.backward(
       stages.Stages(
           w_u=functools.partial(_w_u, mg, fused=fused),
           output_backward=functools.partial(_output, mg, fused=fused),
@@ -489,12 +494,14 @@ def _bwd(scale, plan, residuals, cotangents):
                                     a=residuals.a),
           ut_backward=functools.partial(_ut, mg),
           intra_backward=functools.partial(_intra, mg)),
-      scale, CHUNK, _pallas_config(), residuals, cotangents)[:6]
+      scale, CHUNK, _pallas_config(), residuals, cotangents)
   n_k, n_v = cotangents[1].shape[-2:]  # the head dims before padding
   if da.shape[-1] > 1:
     da = da[..., :n_k]
+  if dkr is not None:
+    dkr = dkr[..., :n_k]
   return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da, db,
-          d_initial[..., :n_k, :n_v])
+          d_initial[..., :n_k, :n_v], dkr)
 
 
 _mosaic.defvjp(_fwd, _bwd)

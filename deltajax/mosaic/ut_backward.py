@@ -48,7 +48,11 @@ blocks, in their region, while ``dX_k`` is formed; it is read where it is
 used (only dX_k and dK_end are live through dM's products), then stages
 dk and dg: 103 KB of shared memory per CTA at K = V = 128 (dM staged in 16
 bits), two CTAs per multiprocessor (143 KB, one, with the tile beside the
-value blocks' tiles and dM in float32).
+value blocks' tiles and dM in float32). With Gated DeltaNet-2's read keys
+``kr`` (W's keys, per value head; k's write the state) the decayed keys
+are ``Kr e^g`` (kr arriving with the gate's tile in their tile), dX_k's
+share goes to ``dkr`` rather than dk, and a float32 tile more stages dkr:
+135 KB, one CTA per multiprocessor.
 """
 
 from __future__ import annotations
@@ -217,13 +221,19 @@ def _body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref,
                 core.smem(square, dtypes.k), core.smem(keys, dtypes.dk))
 
 
-def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
-                  delta_ref, dd_ref, dk_ref, dv_ref, db_ref, dg_ref, dm_ref,
-                  k_s, t_s, g_end_s, b_s, b_cols, vec_s, key_vec_s, bar,
-                  block_bar, g_bar, *, groups, dtype):
+def _channel_body(mg, *refs, groups, dtype, read_keys):
   """One chunk of a per-channel gate's backward (g ``[C, K]``, its last row
   in ``g_end_s``): dk, db and the cumulative gate's dg without the scores'
-  shares, and dM for :func:`deltajax.pallas.intra.backward`."""
+  shares, and dM for :func:`deltajax.pallas.intra.backward`; with
+  ``read_keys`` (Gated DeltaNet-2), W's keys kr (after the other inputs)
+  and their share of dkr (after the other outputs)."""
+  n_in = 9 + read_keys
+  (k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref, delta_ref, dd_ref,
+   *kr_ref) = refs[:n_in]
+  (dk_ref, dv_ref, db_ref, dg_ref, dm_ref, *dkr_ref) = refs[
+      n_in:n_in + 5 + read_keys]
+  (k_s, t_s, g_end_s, b_s, b_cols, vec_s, key_vec_s, bar, block_bar,
+   g_bar) = refs[n_in + 5 + read_keys:]
   bi, n, h = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("h")
   tokens, dk_dim = pl.ds(n * C, C), k_s.shape[1]
   keys, square = (C, dk_dim), (C, C)
@@ -236,18 +246,23 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
       mg, (v_ref, dd_ref, delta_ref, s_ref, dnext_ref, dv_ref), (bi, n, h),
       t_s, b_s, bar, block_bar, dtype)
 
-  def keys_side(dw_s, kg_s, g_s, dm_s):
+  def keys_side(dw_s, kg_s, g_s, dm_s, *dkr_s):
     """dM, then dk, db and dg (in the shared memory of the value blocks).
     The gate's float32 tile arrives in g_s while dX_k is formed, and stages
     dk, then dg, once read; only dX_k and dK_end are live through dM's
-    products, the gate and K read again where they are used."""
+    products, the gate and K read again where they are used. W's keys
+    (kr, or K) decayed, ``Kr e^g``, are staged in kg_s (kr arrives there
+    with the gate), whose 16-bit copy also gives their share of db and dg
+    (the forward's scan takes the same rounding of it)."""
     plgpu.copy_gmem_to_smem(g_ref.at[bi, h, tokens], g_s, g_bar)
+    if read_keys:
+      plgpu.copy_gmem_to_smem(kr_ref[0].at[bi, tokens, h], kg_s, g_bar)
     dw_s[...] = (-minus_dw).astype(dtype)
     plgpu.commit_smem()
     (d_xk,) = mg.products([([(core.T(t_s), dw_s)], keys, None)])
     plgpu.barrier_wait(g_bar)
-    kg_s[...] = (mg.load(k_s, WGMMA).astype(jnp.float32)
-                 * jnp.exp(mg.load(g_s, WGMMA))).astype(dtype)
+    kg_s[...] = (mg.load(kg_s if read_keys else k_s, WGMMA).astype(
+        jnp.float32) * jnp.exp(mg.load(g_s, WGMMA))).astype(dtype)
     dw_s[...] = d_xk.astype(dtype)  # dW is read
     plgpu.commit_smem()
     # -dM = dX_v U^T + dX_k W^T = (Z + dX_k (K e^g)^T) diag(b) T^T for U =
@@ -269,8 +284,15 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     g_end = lax.broadcast_in_dim(mg.load(g_end_s, COLS), keys, [1])
     to_end, from_start = jnp.exp(g_end - g), jnp.exp(g)
     end_share = k * to_end * d_k_end
-    d_xk_kg = d_xk * k * from_start
-    dk = to_end * d_k_end + core.rows(beta, keys) * from_start * d_xk
+    d_xk_kg = d_xk * (mg.load(kg_s, WGMMA).astype(jnp.float32) if read_keys
+                      else k * from_start)
+    # W's keys' cotangent: dk's without read keys, else dkr.
+    dk_read = core.rows(beta, keys) * from_start * d_xk
+    dk = to_end * d_k_end
+    if read_keys:
+      dkr_s[0][...] = dk_read
+    else:
+      dk = dk + dk_read
     dg = core.rows(beta, keys) * d_xk_kg - end_share
     d_b = db + jnp.sum(d_xk_kg, axis=1)
     # S' = e^{g_C} S + (K e^{g_C - g})^T Delta: the last row's share, the
@@ -284,6 +306,8 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(g_s, dk_ref.at[bi, tokens, h])
     plgpu.copy_smem_to_gmem(vec_s, db_ref.at[bi, h, tokens])
+    if read_keys:
+      plgpu.copy_smem_to_gmem(dkr_s[0], dkr_ref[0].at[bi, tokens, h])
     ds_share = jnp.exp(g_end) * lax.broadcast_in_dim(
         mg.load(key_vec_s, COLS), keys, [1])
     dg = dg + jnp.where(mg.iota(keys, 0) == C - 1, ds_share, 0.0)
@@ -296,8 +320,9 @@ def _channel_body(mg, k_ref, v_ref, g_ref, b_ref, t_ref, s_ref, dnext_ref,
     plgpu.wait_smem_to_gmem(0)
 
   keys_tile = core.smem(keys, dtype)
-  pl.run_scoped(keys_side, keys_tile, keys_tile,
-                core.smem(keys, jnp.float32), core.smem(square, dtype))
+  f32_tile = core.smem(keys, jnp.float32)
+  pl.run_scoped(keys_side, keys_tile, keys_tile, f32_tile,
+                core.smem(square, dtype), *([f32_tile] if read_keys else []))
 
 
 class _Dtypes(NamedTuple):
@@ -308,7 +333,7 @@ class _Dtypes(NamedTuple):
 
 
 def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
-                dk_out=None, dg_out=None):
+                dk_out=None, dg_out=None, kr=None):
   """The cotangents of k, v, beta and the gate's increments.
 
   Args:
@@ -321,6 +346,8 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
       the chunk-local cumulative log gate; b: ``[B, HV, T]`` float32 beta.
     dk_out: ``[B, T, HV, K]`` (float32 or k's dtype), dg_out: ``[B, HV,
       T]`` float32: the output's shares (per head; None per channel).
+    kr: None, or per channel W's keys ``[B, T, HV, K]`` in k's dtype
+      (Gated DeltaNet-2's read keys; k then writes the state alone).
 
   Returns:
     ``(dk, dv, db, da)`` as
@@ -330,7 +357,9 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
     channel, as its ``(dk, dv, db, dg, dm)``: dk ``[B, T, HV, K]``, db
     ``[B, HV, T]``, the cumulative gate's dg ``[B, HV, T, K]`` (without the
     scores' shares), float32, and dM ``[B, HV, T, C]`` in k's 16-bit dtype
-    (:func:`deltajax.mosaic.intra.backward` rounds it so for its products).
+    (:func:`deltajax.mosaic.intra.backward` rounds it so for its products);
+    with kr, their share of kr's cotangent ``[B, T, HV, K]`` float32 after
+    them.
   """
   bsz, t_len, h, dk = k.shape
   heads = v.shape[2]
@@ -344,14 +373,18 @@ def ut_backward(mg, k, v, g, b, t, states, d_next, delta, d_delta,
                 jax.ShapeDtypeStruct(b.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
                 jax.ShapeDtypeStruct(t.shape, dtype)]
+    read_keys = kr is not None
+    if read_keys:
+      out_type.append(jax.ShapeDtypeStruct(kr.shape, f32))
     scratch = [*chunk_shared, plgpu.SMEM((dk,), f32), vec, vec, vec,
                plgpu.SMEM((dk,), f32),
                plgpu.Barrier(num_arrivals=_CHUNK_INPUTS - 2),
                plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
-               plgpu.Barrier(num_arrivals=1)]
+               plgpu.Barrier(num_arrivals=1 + read_keys)]
     body = lambda *refs: _channel_body(mg, *refs, groups=heads // h,
-                                       dtype=dtype)
-    inputs = (k, v, g, b, t, states, d_next, delta, d_delta)
+                                       dtype=dtype, read_keys=read_keys)
+    inputs = (k, v, g, b, t, states, d_next, delta, d_delta,
+              *([kr] if read_keys else []))
   else:
     dtypes = _Dtypes(dtype, dk_out.dtype, dtype if heads == h else f32)
     out_type = [jax.ShapeDtypeStruct((bsz, t_len, heads, dk), dtypes.dk),

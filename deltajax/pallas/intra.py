@@ -622,7 +622,7 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
     the other kernels' share of their cotangent; a: None, or the log gate
     ``[B, T, HV, K]``: da is 0 where it is below the floor (clamped there,
     :func:`common.floored`); done: None, or the whole-chunk pass's ``(dq,
-    dk, da, db [K / W, B, HV, T])`` formed elsewhere for every chunk
+    dk, da, db [K / W, B, HV, T][, dkr])`` formed elsewhere for every chunk
     (:func:`deltajax.mosaic.intra.backward`; W key channels per block of
     db, which must tile ``launch.block_k``'s): this pass then rewrites only
     the chunks whose gate is not gentle (on a block's channels).
@@ -670,11 +670,12 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
   if done is None:
     done = run(True, inputs, name="deltajax_intra_backward")
   else:  # db's blocks of key channels summed into this pass's wider ones
-    *done, db = done
+    done = list(done)
+    db = done[3]
     if width % (d // db.shape[0]):
       raise ValueError(f"done: db's blocks of {d // db.shape[0]} key "
                        f"channels do not tile this pass's of {width}")
-    done.append(jnp.sum(db.reshape(d // width, -1, *db.shape[1:]), axis=1))
+    done[3] = jnp.sum(db.reshape(d // width, -1, *db.shape[1:]), axis=1)
   # The chunks whose gate is not gentle, written into the first pass's
   # outputs.
   names = [n[:-len("_ref")] for n in outputs]

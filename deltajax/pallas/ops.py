@@ -91,25 +91,9 @@ def gated_delta_pallas(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      f"{(t_len // chunk_size,)}; got B = {bsz}, "
                      f"{tuple(chunk_seq.shape)}")
   config = (config or core.Config()).resolve()
-  b, kr, v = _read_keys(b, q, k, v)
+  b, kr, v = stages.read_keys(b, q, k, v)
   return _pallas(float(scale), chunk_size, config, q, k, v, a, b,
                  initial_state, cut, chunk_seq, kr)
-
-
-def _read_keys(b, q, k, v):
-  """``(beta, read keys, values)`` for the kernels. Gated DeltaNet-2's gates
-  ``b = (erase, write)`` become the keys that read the state and form A's
-  rows, ``kr = erase * k`` (per value head, ``[B, T, HV, K]``), the values
-  ``write * v`` and beta 1, outside the kernels' VJP (autodiff carries
-  their cotangents to the gates); beta has no read keys (None)."""
-  if not isinstance(b, tuple):
-    return b, None, v
-  erase, write = b
-  dtype = jnp.result_type(q, k, v)
-  kr = erase * common.repeat_heads(k, v.shape[2] // k.shape[2]).astype(
-      erase.dtype)
-  v = (write * v.astype(write.dtype)).astype(v.dtype)
-  return jnp.ones(erase.shape[:3], erase.dtype), kr.astype(dtype), v
 
 
 def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
@@ -216,7 +200,7 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
 def _pallas(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
             chunk_seq, kr):
   """:func:`gated_delta_pallas` after its checks, with the read keys of
-  :func:`_read_keys`; scale, chunk_size and the resolved config are
+  :func:`deltajax.stages.read_keys`; scale, chunk_size and the resolved config are
   static."""
   return _forward(scale, chunk_size, config, q, k, v, a, b, initial_state,
                   cut, chunk_seq, kr)[0]
