@@ -509,25 +509,24 @@ def test_pallas_config_reaches_its_kernels(impl, monkeypatch):
   assert seen == [config]
 
 
-@pytest.mark.parametrize("rule", ["gated_delta", "kda"])
+@pytest.mark.parametrize("rule", ["gated_delta", "kda", "gdn2"])
 def test_mosaic_config_picks_mosaic_under_auto(rule, monkeypatch):
   """``config=deltajax.mosaic.Config(...)`` with impl="auto" runs
-  impl="mosaic" (with that config), and refuses a call that impl="mosaic"
-  cannot run (float32 q, k, v; Gated DeltaNet-2) with a ValueError that
-  names the config, rather than picking another implementation."""
+  impl="mosaic" (with that config) for each rule, Gated DeltaNet-2 too
+  (which "auto" alone sends to "pallas"), and refuses a call that
+  impl="mosaic" cannot run (float32 q, k, v) with a ValueError that names
+  the config, rather than picking another implementation."""
   config = deltajax.mosaic.Config(pieces=2)
   seen = _spy(monkeypatch, "mosaic")
   bf16 = lambda *s: jnp.zeros(s, jnp.bfloat16)
-  gate = (1, 128, 2) if rule == "gated_delta" else (1, 128, 2, 32)
+  per_channel = _zeros(1, 128, 2, 32)
+  gates = {"gated_delta": (_zeros(1, 128, 2), _zeros(1, 128, 2)),
+           "kda": (per_channel, _zeros(1, 128, 2)),
+           "gdn2": (per_channel, per_channel, _zeros(1, 128, 2, 48))}[rule]
   getattr(deltajax, rule)(bf16(1, 128, 2, 32), bf16(1, 128, 2, 32),
-                          bf16(1, 128, 2, 48), _zeros(*gate),
-                          _zeros(1, 128, 2), config=config)
+                          bf16(1, 128, 2, 48), *gates, config=config)
   assert seen == [config]
   with pytest.raises(ValueError, match=r"config=Config\(pieces=2\) is "
                      r"impl='mosaic''s, which cannot run this call: its "
                      r"products are 16-bit"):
     deltajax.gated_delta(**_args(), config=config)
-  with pytest.raises(ValueError, match=r"impl='mosaic''s, which cannot run "
-                     r"this call: it has no 'gdn2' gate"):
-    deltajax.gdn2(**_args(a=_zeros(B, T, H, K), b=_zeros(B, T, H, K)),
-                  w=_zeros(B, T, H, V), config=config)
