@@ -155,9 +155,10 @@ def _slot_faults(state_indices, pool_size: int, xp):
   return (state_indices >= pool_size) | repeated
 
 
-def _check_slot_values(state_indices, pool_size: int) -> None:
+def check_slot_values(state_indices, pool_size: int) -> None:
   """Raises ``ValueError`` at the first bad element of concrete ``state_indices``
-  (traced ones: inside :func:`value_checks`)."""
+  (traced ones: inside :func:`value_checks`); the layers' pools
+  (:mod:`deltajax.nn`) too."""
   if isinstance(state_indices, jax.core.Tracer):
     return
   state_indices = np.asarray(state_indices)
@@ -617,7 +618,7 @@ def _check_state(state, state_indices, shape: tuple, name="state") -> None:
     raise ValueError(f"with state_indices, {name} must be a pool of shape "
                      f"[P, HV, K, V] with P >= 1 and HV, K, V = "
                      f"{tuple(shape[1:])}; got {tuple(state.shape)}")
-  _check_slot_values(state_indices, state.shape[0])
+  check_slot_values(state_indices, state.shape[0])
 
 
 def gated_delta_step(state, q, k, v, a, b, *, w=None, state_indices=None,
@@ -803,35 +804,10 @@ def _stored_dtype(state, dtype) -> jnp.dtype:
   return state.dtype if state.dtype.itemsize < 4 else jnp.dtype(dtype)
 
 
-def _slots(state_indices, pool_size: int):
-  """``state_indices`` with padding rows (negative) moved past the pool, where
-  a read gives zeros and a write is dropped."""
-  return jnp.where(state_indices < 0, pool_size, state_indices)
-
-
-def _read(pool, state_indices):
-  """The states ``[B, HV, K, V]`` of the rows' slots; zeros at padding rows."""
-  return pool.at[_slots(state_indices, pool.shape[0])].get(mode="fill",
-                                                           fill_value=0)
-
-
-def _write(pool, state_indices, rows):
-  """``pool`` with ``rows`` ``[B, HV, K, V]`` in the rows' slots (none at
-  padding rows)."""
-  return pool.at[_slots(state_indices, pool.shape[0])].set(
-      rows.astype(pool.dtype), mode="drop")
-
-
-def _zero_padding(x, state_indices):
-  """``x`` ``[B, ...]`` with the padding rows zeroed."""
-  keep = (state_indices >= 0).reshape(-1, *(1,) * (x.ndim - 1))
-  return jnp.where(keep, x, 0)
-
-
 def _start(state, q, k, v, a, b, state_indices, check_values):
   """``(rows, stored)``: the rows' states in the compute dtype, and the dtype
   new states are returned in; the value checks inside :func:`value_checks`."""
-  rows = state if state_indices is None else _read(state, state_indices)
+  rows = state if state_indices is None else common.pool_rows(state, state_indices)
   if check_values:  # as in _run
     _debug_check_values(dict(state=rows, q=q, k=k, v=v), a, b,
                         state_indices=state_indices,
@@ -855,7 +831,8 @@ def _step(state, q, k, v, a, b, state_indices, *, scale, impl, check_values):
   o, rows = _token_step(impl, scale)(rows, q, k, v, a, b)
   if state_indices is None:
     return o, rows.astype(stored)
-  return _zero_padding(o, state_indices), _write(state, state_indices, rows)
+  return common.zero_padding_rows(o, state_indices), common.with_pool_rows(
+      state, state_indices, rows)
 
 
 @functools.partial(jax.jit,
@@ -870,7 +847,8 @@ def _verify(state, q, k, v, a, b, state_indices, *, scale, impl,
   bsz, t = q.shape[:2]
   tokens = (q, k, v, a, b)
   keep = ((lambda x: x) if state_indices is None
-          else functools.partial(_zero_padding, state_indices=state_indices))
+          else functools.partial(common.zero_padding_rows,
+                            state_indices=state_indices))
 
   def token(i, carry):
     rows, o, states = carry
@@ -897,7 +875,8 @@ def _commit(pool, states, state_indices, accepted, *, check_values):
     _debug_check("accepted", accepted, (accepted >= 0) & (accepted <= t),
                  _accepted_rule(t))
   last = states[jnp.arange(bsz), jnp.maximum(accepted - 1, 0)]
-  return _write(pool, jnp.where(accepted > 0, state_indices, -1), last)
+  return common.with_pool_rows(
+      pool, jnp.where(accepted > 0, state_indices, -1), last)
 
 
 def _jnp_step(state, q, k, v, a, b, scale):

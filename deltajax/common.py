@@ -471,6 +471,32 @@ class Layout(NamedTuple):
   empty: jax.Array
 
 
+def _pool_slots(state_indices, pool_size: int):
+  """``state_indices`` with padding rows (negative) moved past the pool, where
+  a read gives zeros and a write is dropped."""
+  return jnp.where(state_indices < 0, pool_size, state_indices)
+
+
+def pool_rows(pool, state_indices):
+  """The rows ``[B, ...]`` of a pool ``[P, ...]`` at the slots
+  ``state_indices`` ``[B]``; zeros at padding rows (negative)."""
+  return pool.at[_pool_slots(state_indices, pool.shape[0])].get(
+      mode="fill", fill_value=0)
+
+
+def with_pool_rows(pool, state_indices, rows):
+  """``pool`` with ``rows`` ``[B, ...]`` in the slots ``state_indices``
+  (none at padding rows)."""
+  return pool.at[_pool_slots(state_indices, pool.shape[0])].set(
+      rows.astype(pool.dtype), mode="drop")
+
+
+def zero_padding_rows(x, state_indices):
+  """``x`` ``[B, ...]`` with the padding rows (negative slots) zeroed."""
+  keep = (state_indices >= 0).reshape(-1, *(1,) * (x.ndim - 1))
+  return jnp.where(keep, x, 0)
+
+
 def layout_chunks(total: int, n_seq: int, chunk_size: int) -> int:
   """Chunks of the packed layout: each sequence pads at most ``C - 1`` tokens."""
   return max(1, (total + n_seq * (chunk_size - 1)) // chunk_size)

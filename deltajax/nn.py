@@ -304,7 +304,8 @@ class DeltaRuleLayer(nnx.Module):
 
   def __call__(self, x: jax.Array, *, cache: DeltaCache | None = None,
                mask: jax.Array | None = None,
-               segment_ids: jax.Array | None = None):
+               segment_ids: jax.Array | None = None,
+               state_indices: jax.Array | None = None):
     """Mixes the tokens of ``x`` ``[B, T, d_model]``.
 
     Args:
@@ -316,18 +317,33 @@ class DeltaRuleLayer(nnx.Module):
       segment_ids: optional integer ``[B, T]`` for packed sequences: the
         state and the convolution window restart where the id changes. Not
         with ``cache``.
+      state_indices: optional integer ``[B]``, with ``cache``: the cache is
+        a pool of P sequences (:meth:`init_cache` ``(P)``) and row ``i``
+        continues the one in slot ``state_indices[i]`` (its convolution
+        history and state) and writes it back; a negative index is a
+        padding row, which leaves the pool as it is and outputs zeros. A
+        slot may be named once (as in :func:`deltajax.gated_delta_step`,
+        which a single token runs on the pool). Jit the caller with the
+        pool donated and XLA updates it in place.
 
     Returns:
       ``y`` ``[B, T, d_model]`` in the layer's dtype; with ``cache``,
-      ``(y, new_cache)``, continuing the sequences that ``cache`` holds.
+      ``(y, new_cache)``, continuing the sequences that ``cache`` holds
+      (with ``state_indices``, the new pool).
     """
-    x, mask, segment_ids = (None if z is None else jnp.asarray(z)
-                            for z in (x, mask, segment_ids))
-    self._check_call(x, cache, mask, segment_ids)
+    x, mask, segment_ids, state_indices = (
+        None if z is None else jnp.asarray(z)
+        for z in (x, mask, segment_ids, state_indices))
+    self._check_call(x, cache, mask, segment_ids, state_indices)
     bsz, t, _ = x.shape
     if mask is not None:
       x = jnp.where(mask[..., None], x, 0)
-    history = self._empty_history(bsz) if cache is None else cache.conv
+    if cache is None:
+      history = self._empty_history(bsz)
+    elif state_indices is None:
+      history = cache.conv
+    else:
+      history = common.pool_rows(cache.conv, state_indices)
     qkv, history = causal_depthwise_conv(
         self.qkv_proj(x), self.conv_kernel[...].astype(self.dtype), history,
         segment_ids)
@@ -344,30 +360,48 @@ class DeltaRuleLayer(nnx.Module):
     if cache is None:
       o = self._rule(q, k, v, a, beta, segment_ids=segment_ids)
     else:
-      o, state = self._continue(cache.state, q, k, v, a, beta)
+      o, state = self._continue(cache.state, q, k, v, a, beta, state_indices)
     y = self.o_proj(self._gated_norm(o, x).reshape(bsz, t, -1))
     if mask is not None:
       y = jnp.where(mask[..., None], y, 0)
     if cache is None:
       return y
-    return y, DeltaCache(history, state.astype(cache.state.dtype))
+    if state_indices is None:
+      return y, DeltaCache(history, state.astype(cache.state.dtype))
+    return (common.zero_padding_rows(y, state_indices),
+            DeltaCache(common.with_pool_rows(cache.conv, state_indices,
+                                             history), state))
 
-  def _check_call(self, x, cache, mask, segment_ids) -> None:
+  def _check_call(self, x, cache, mask, segment_ids, state_indices) -> None:
     """Raises ``ValueError``/``TypeError`` for arguments of the wrong shape or dtype."""
     if x.ndim != 3 or x.shape[-1] != self.d_model:
       raise ValueError(f"x must have shape [B, T, d_model] with d_model="
                        f"{self.d_model}; got {tuple(x.shape)}")
     bsz, t, _ = x.shape
+    if state_indices is not None:
+      if cache is None:
+        raise ValueError("state_indices names the slots of a cache pool; "
+                         "pass the pool as cache")
+      if (tuple(state_indices.shape) != (bsz,)
+          or not jnp.issubdtype(state_indices.dtype, jnp.integer)):
+        raise ValueError(f"state_indices must be an integer array of shape "
+                         f"[B] = {(bsz,)}; got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
     if cache is not None:
-      expected = DeltaCache((bsz, self.conv_size - 1, self._qkv_width),
-                            self._state_shape(bsz))
+      rows = bsz if state_indices is None else cache.state.shape[0]
+      expected = DeltaCache((rows, self.conv_size - 1, self._qkv_width),
+                            self._state_shape(rows))
       got = DeltaCache(*(tuple(c.shape) for c in cache))
-      if got != expected:
-        raise ValueError(f"cache must have conv [B, conv_size - 1, 2 H K + "
-                         f"HV V] = {expected.conv} and state [B, HV, K, V] = "
-                         f"{expected.state} for x of batch size {bsz} (see "
-                         f"init_cache); got conv {got.conv}, state "
-                         f"{got.state}")
+      if got != expected or not rows:
+        n, what = (("B", f"for x of batch size {bsz}")
+                   if state_indices is None else
+                   ("P", "for a pool of P >= 1 sequences"))
+        raise ValueError(f"cache must have conv [{n}, conv_size - 1, 2 H K "
+                         f"+ HV V] = {expected.conv} and state [{n}, HV, K, "
+                         f"V] = {expected.state} {what} (see init_cache); "
+                         f"got conv {got.conv}, state {got.state}")
+      if state_indices is not None:
+        api.check_slot_values(state_indices, rows)
     for name, value, kind, what in (
         ("mask", mask, jnp.bool_, "bool"),
         ("segment_ids", segment_ids, jnp.integer, "an integer dtype")):
@@ -436,19 +470,27 @@ class DeltaRuleLayer(nnx.Module):
       return api.gdn2(q, k, v, a, *beta, **options)
     return api.gated_delta(q, k, v, a, beta, **options)
 
-  def _continue(self, state, q, k, v, a, beta):
-    """Runs the rule from ``state``; one token takes :func:`deltajax.gated_delta_step`.
+  def _continue(self, state, q, k, v, a, beta, state_indices):
+    """Runs the rule from ``state`` (with ``state_indices``, from a pool's
+    slots); one token takes :func:`deltajax.gated_delta_step`.
 
-    Returns ``(o [B, T, HV, V], final_state [B, HV, K, V])``.
+    Returns ``(o [B, T, HV, V], final_state [B, HV, K, V])``, or with
+    ``state_indices`` the new pool in place of the final state.
     """
     if q.shape[1] == 1:
       erase, write = beta if isinstance(beta, tuple) else (beta, None)
       o, state = api.gated_delta_step(
           state, q[:, 0], k[:, 0], v[:, 0], a[:, 0], erase[:, 0],
-          w=None if write is None else write[:, 0])
+          w=None if write is None else write[:, 0],
+          state_indices=state_indices)
       return o[:, None], state
-    return self._rule(q, k, v, a, beta, initial_state=state,
-                      return_final_state=True)
+    if state_indices is None:
+      return self._rule(q, k, v, a, beta, initial_state=state,
+                        return_final_state=True)
+    o, rows = self._rule(q, k, v, a, beta,
+                         initial_state=common.pool_rows(state, state_indices),
+                         return_final_state=True)
+    return o, common.with_pool_rows(state, state_indices, rows)
 
 
 class GatedDeltaNet(DeltaRuleLayer):

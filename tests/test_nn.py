@@ -322,6 +322,36 @@ def test_masked_decoding_step_keeps_the_state():
   assert not np.allclose(stepped.state[1], cache.state[1])
 
 
+@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.GatedDeltaNet2])
+def test_a_pool_continues_each_slot_as_a_dense_cache_would(cls):
+  """With state_indices the cache is a pool: a prefill of 4 tokens and 3
+  single tokens (through gated_delta_step on the pool) continue slots 3 and
+  0 from what they held, as a dense cache of those two sequences does; the
+  padding row (-1) outputs zeros, and the other slots keep their values,
+  under nnx.jit with the pool donated."""
+  layer = _layer(cls, chunk_size=16)
+  x = _inputs((3, 7, D_MODEL))
+  pool = jax.tree.map(lambda z: _inputs(z.shape, seed=z.ndim),
+                      layer.init_cache(5))
+  slots = jnp.array([3, -1, 0])
+  dense = jax.tree.map(lambda z: z[jnp.array([3, 0])], pool)
+  before = jax.tree.map(np.asarray, pool)
+
+  @nnx.jit(donate_argnums=2)
+  def extend(layer, x, pool, slots):
+    return layer(x, cache=pool, state_indices=slots)
+
+  for start, stop in [(0, 4), (4, 5), (5, 6), (6, 7)]:
+    y, pool = extend(layer, x[:, start:stop], pool, slots)
+    y_dense, dense = layer(x[::2, start:stop], cache=dense)
+    np.testing.assert_allclose(y[::2], y_dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[1], 0)
+  for got, want, was in zip(pool, dense, before):
+    np.testing.assert_allclose(got[jnp.array([3, 0])], want, rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(got[jnp.array([1, 2, 4])], was[[1, 2, 4]])
+
+
 def test_segment_aware_conv_equals_separate_convs():
   x = _inputs((1, 9, 5))
   kernel = _inputs((3, 5), seed=2)
@@ -451,6 +481,21 @@ def test_invalid_layer_options_name_the_argument(options, error, message):
                  segment_ids=jnp.zeros((2, 5), jnp.int32)),
      ValueError, "segment_ids .* cannot be combined with cache"),
     (lambda l: l.init_cache(True), TypeError, "batch_size must be an int"),
+    (lambda l: l(_inputs((2, 1, D_MODEL)), state_indices=jnp.array([0, 1])),
+     ValueError, "state_indices names the slots of a cache pool"),
+    (lambda l: l(_inputs((2, 1, D_MODEL)), cache=l.init_cache(4),
+                 state_indices=jnp.array([0.0, 1.0])),
+     ValueError, r"state_indices must be an integer array of shape \[B\]"),
+    (lambda l: l(_inputs((2, 1, D_MODEL)), cache=l.init_cache(4),
+                 state_indices=jnp.array([2, 2])),
+     ValueError, "state_indices.*name each slot at most once"),
+    (lambda l: l(_inputs((2, 3, D_MODEL)), cache=l.init_cache(4),
+                 state_indices=jnp.array([0, 4])),
+     ValueError, "state_indices.*below the pool size P = 4"),
+    (lambda l: l(_inputs((2, 1, D_MODEL)),
+                 cache=l.init_cache(4)._replace(conv=l.init_cache(3).conv),
+                 state_indices=jnp.array([0, 1])),
+     ValueError, "cache must have conv .* for a pool of P"),
 ])
 def test_invalid_call_arguments_name_the_argument(call, error, message):
   with pytest.raises(error, match=message):
