@@ -400,10 +400,11 @@ def test_mosaic_gdn2_matches_float64():
   """Gated DeltaNet-2: KDA's kernels on the read keys ``kr = erase * k``
   (the scan's ``Kr e^g``, W and A's rows: the Mosaic GPU ut_backward and
   scores' backward take kr and give its cotangent) and ``write * v``.
-  Grouped value heads (kr per value head), T = 150, K = 100 and V = 48
-  padded; outputs and all seven gradients."""
-  x = utils.random_inputs(17, batch=1, length=150, heads=1, value_heads=2,
-                          key_dim=100, value_dim=48, per_channel=True,
+  Grouped value heads (kr per value head), T = 100 (two chunks, the last
+  padded), K = 48 and V = 40 padded to 64; outputs and all seven
+  gradients."""
+  x = utils.random_inputs(17, batch=1, length=100, heads=1, value_heads=2,
+                          key_dim=48, value_dim=40, per_channel=True,
                           state_scale=0.1)
   rng = np.random.default_rng(17)
   erase, write = (rng.uniform(0.0, 1.0, y.shape) for y in (x.a, x.v))

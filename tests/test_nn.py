@@ -322,14 +322,14 @@ def test_masked_decoding_step_keeps_the_state():
   assert not np.allclose(stepped.state[1], cache.state[1])
 
 
-@pytest.mark.parametrize("cls", [nn.GatedDeltaNet, nn.GatedDeltaNet2])
-def test_a_pool_continues_each_slot_as_a_dense_cache_would(cls):
+def test_a_pool_continues_each_slot_as_a_dense_cache_would():
   """With state_indices the cache is a pool: a prefill of 4 tokens and 3
   single tokens (through gated_delta_step on the pool) continue slots 3 and
   0 from what they held, as a dense cache of those two sequences does; the
   padding row (-1) outputs zeros, and the other slots keep their values,
-  under nnx.jit with the pool donated."""
-  layer = _layer(cls, chunk_size=16)
+  under nnx.jit with the pool donated. Gated DeltaNet-2's layer: the step
+  with its erase and write gates."""
+  layer = _layer(nn.GatedDeltaNet2, chunk_size=16)
   x = _inputs((3, 7, D_MODEL))
   pool = jax.tree.map(lambda z: _inputs(z.shape, seed=z.ndim),
                       layer.init_cache(5))
