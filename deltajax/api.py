@@ -807,7 +807,8 @@ def _stored_dtype(state, dtype) -> jnp.dtype:
 def _start(state, q, k, v, a, b, state_indices, check_values):
   """``(rows, stored)``: the rows' states in the compute dtype, and the dtype
   new states are returned in; the value checks inside :func:`value_checks`."""
-  rows = state if state_indices is None else common.pool_rows(state, state_indices)
+  rows = (state if state_indices is None
+          else common.pool_rows(state, state_indices))
   if check_values:  # as in _run
     _debug_check_values(dict(state=rows, q=q, k=k, v=v), a, b,
                         state_indices=state_indices,

@@ -904,9 +904,9 @@ def test_kernels_lower_for_the_gpu(schedule):
   checks run (what the interpreter skips). Lowering also checks that each
   kernel's shared memory fits in 227 KB (the per-channel scan at K = 128:
   218 KB, the per-channel reverse pass 217 KB, chunk_backward 226 KB; the
-  rest: :func:`test_ut_backward_shared_memory`). Under ``jax_enable_x64``, as the other tests run
-  them: an array the wrappers create (the map pass's identity, say) must
-  not come out float64. The last kernel under vmap too (impl="auto" runs
+  rest: :func:`test_ut_backward_shared_memory`). Under
+  ``jax_enable_x64``, as the other tests run them: an array the wrappers
+  create (the map pass's identity, say) must not come out float64. The last kernel under vmap too (impl="auto" runs
   them so on Hopper): a grid axis more."""
   kernels = _lowerings(schedule)
   for fn, args in kernels:

@@ -164,8 +164,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
 
   Raises:
     TypeError: ``config`` is not a :class:`Config`.
-    ValueError: ``chunk_size`` is not 64, head dims above 128, q, k, v not 16-bit, or ``config.pieces`` does not
-      divide the chunks (not read with chunk_seq).
+    ValueError: ``chunk_size`` is not 64, head dims above 128, q, k, v
+      not 16-bit, or ``config.pieces`` does not divide the chunks (not read
+      with chunk_seq).
   """
   if config is None:
     config = Config()

@@ -200,8 +200,8 @@ def _bwd(scale, chunk_size, config, residuals, cotangents):
 def _pallas(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
             chunk_seq, kr):
   """:func:`gated_delta_pallas` after its checks, with the read keys of
-  :func:`deltajax.stages.read_keys`; scale, chunk_size and the resolved config are
-  static."""
+  :func:`deltajax.stages.read_keys`; scale, chunk_size and the resolved
+  config are static."""
   return _forward(scale, chunk_size, config, q, k, v, a, b, initial_state,
                   cut, chunk_seq, kr)[0]
 
