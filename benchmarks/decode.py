@@ -7,9 +7,9 @@ For each gate, state dtype (float32, bfloat16) and batch B (H = 16, K = V =
 128, bf16 q/k/v, :func:`benchmark.make_inputs`' gates): microseconds per
 token of :func:`deltajax.gated_delta_step` in a jitted loop of 100 tokens
 with the state carried (:func:`benchmark.time_decode_step`), per ``--impls``
-entry; the same from a pool of 4 B states at random slots
-(``state_indices``); one :func:`deltajax.gated_delta_verify` call of T = 4
-draft tokens, chained on its last state; and the step's floor: the bytes it
+entry, with the same from a pool of 4 B states at random slots
+(``state_indices``) and per :func:`deltajax.gated_delta_verify` call of T =
+4 draft tokens, chained on its last state; and the step's floor: the bytes it
 must move (the state read and written, the token's q, k, v, gates and
 output) over the GPU's memory bandwidth. Prints a markdown table and writes
 it to ``decode.md`` in ``--out``.
@@ -47,8 +47,8 @@ def step_bytes(bsz, gate="gdn", state_dtype=jnp.float32, h=HEADS, d=DIM):
   return state + tokens + gates
 
 
-def time_verify(bsz, gate="gdn", state_dtype=jnp.float32, calls=25, reps=20,
-                h=HEADS, d=DIM, t=VERIFY_TOKENS):
+def time_verify(bsz, gate="gdn", impl="auto", state_dtype=jnp.float32,
+                calls=25, reps=20, h=HEADS, d=DIM, t=VERIFY_TOKENS):
   """Microseconds per :func:`deltajax.gated_delta_verify` call of ``t``
   tokens, ``calls`` of them in a jitted loop, each from the last state of
   the one before."""
@@ -61,7 +61,8 @@ def time_verify(bsz, gate="gdn", state_dtype=jnp.float32, calls=25, reps=20,
   def verify(state):
     def call(_, carry):
       state, acc = carry
-      o, states = deltajax.gated_delta_verify(state, q, k, v, a, b, w=w)
+      o, states = deltajax.gated_delta_verify(state, q, k, v, a, b, w=w,
+                                                impl=impl)
       return states[:, -1], acc + o[:, -1, :, 0].astype(jnp.float32)
     return jax.lax.fori_loop(0, calls, call,
                              (state, jnp.zeros((bsz, h), jnp.float32)))
@@ -81,26 +82,29 @@ def rows(gates, batches, impls, reps):
           row[impl] = benchmark.time_decode_step(
               bsz, HEADS, DIM, gate=gate, impl=impl, state_dtype=state_dtype,
               reps=reps)
-        row["pool"] = benchmark.time_decode_step(
-            bsz, HEADS, DIM, gate=gate, state_dtype=state_dtype, pool=4,
-            reps=reps)
-        row["verify"] = time_verify(bsz, gate, state_dtype, reps=reps)
+          row[f"pool {impl}"] = benchmark.time_decode_step(
+              bsz, HEADS, DIM, gate=gate, impl=impl, state_dtype=state_dtype,
+              pool=4, reps=reps)
+          row[f"verify {impl}"] = time_verify(bsz, gate, impl, state_dtype,
+                                              reps=reps)
         benchmark.log(str(row))
         yield row
 
 
 def table(rows, impls, peak) -> str:
-  """Markdown: us per step by implementation, from a pool, per verify call,
-  and the floor (bytes / ``peak``) with the step's multiple of it."""
-  head = ("| gate | state | B | " + " | ".join(f"step {i} (us)" for i in impls)
-          + " | pool 4B (us) | verify T=4 (us) | MiB moved | floor (us) "
-          "| step / floor |")
+  """Markdown: us per step, per step from a pool and per verify call, by
+  implementation, and the floor (bytes / ``peak``) with the first
+  implementation's step as a multiple of it."""
+  cols = [f"{kind}{i}" for i in impls for kind in ("", "pool ", "verify ")]
+  names = [f"{kind} {i} (us)" for i in impls
+           for kind in ("step", "pool 4B", f"verify T={VERIFY_TOKENS}")]
+  head = ("| gate | state | B | " + " | ".join(names)
+          + " | MiB moved | floor (us) | step / floor |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in rows:
     floor = r["bytes"] / peak * 1e6 if peak else None
     cells = [r["gate"], r["state"], str(r["bsz"]),
-             *(f"{r[i]:.1f}" for i in impls), f"{r['pool']:.1f}",
-             f"{r['verify']:.1f}", f"{r['bytes'] / 2 ** 20:.2f}",
+             *(f"{r[c]:.1f}" for c in cols), f"{r['bytes'] / 2 ** 20:.2f}",
              f"{floor:.1f}" if floor else "",
              f"{r[impls[0]] / floor:.2f}" if floor else ""]
     lines.append("| " + " | ".join(cells) + " |")

@@ -820,20 +820,23 @@ def _start(state, q, k, v, a, b, state_indices, check_values):
 
 
 def _token_step(impl: str, scale: float):
-  """The step of one token, ``(state, q, k, v, a, b) -> (o, new_state)``."""
-  fn = _pallas_step if impl == "pallas" else _jnp_step
-  return lambda state, *token: fn(state, *token, scale)
+  """The step of one token on dense rows in the compute dtype,
+  ``(state, q, k, v, a, b) -> (o, new_state)``."""
+  if impl == "pallas":
+    return lambda state, *token: _pallas_step(state, *token, None, scale,
+                                              state.dtype)
+  return lambda state, *token: _jnp_step(state, *token, scale)
 
 
 @functools.partial(jax.jit,
                    static_argnames=("scale", "impl", "check_values"))
 def _step(state, q, k, v, a, b, state_indices, *, scale, impl, check_values):
+  """The step on the state, or on the pool's slots: the kernel reads and
+  writes them in the stored dtype; the jnp step gathers and scatters."""
   rows, stored = _start(state, q, k, v, a, b, state_indices, check_values)
-  o, rows = _token_step(impl, scale)(rows, q, k, v, a, b)
-  if state_indices is None:
-    return o, rows.astype(stored)
-  return common.zero_padding_rows(o, state_indices), common.with_pool_rows(
-      state, state_indices, rows)
+  step = _pallas_step if impl == "pallas" else _jnp_pool_step
+  return step(state.astype(stored), q, k, v, a, b, state_indices, scale,
+              rows.dtype)
 
 
 @functools.partial(jax.jit,
@@ -893,19 +896,35 @@ def _jnp_step(state, q, k, v, a, b, scale):
   return o.astype(v.dtype), new_state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _pallas_step(state, q, k, v, a, b, scale):
+def _jnp_pool_step(state, q, k, v, a, b, state_indices, scale, dtype):
+  """:func:`_jnp_step` on the state (in the compute dtype ``dtype``), or on
+  the pool's slots between a gather and a scatter; the new state in the
+  state's dtype."""
+  rows = (state if state_indices is None
+          else common.pool_rows(state, state_indices))
+  o, rows = _jnp_step(rows.astype(dtype), q, k, v, a, b, scale)
+  if state_indices is None:
+    return o, rows.astype(state.dtype)
+  return common.zero_padding_rows(o, state_indices), common.with_pool_rows(
+      state, state_indices, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _pallas_step(state, q, k, v, a, b, state_indices, scale, dtype):
   """The kernel's step; its VJP is the jnp step's (recomputed)."""
-  return pallas_step.gated_delta_step_pallas(state, q, k, v, a, b,
-                                             scale=scale)
+  return pallas_step.gated_delta_step_pallas(
+      state, q, k, v, a, b, scale=scale, state_indices=state_indices,
+      dtype=dtype)
 
 
-def _pallas_step_fwd(state, q, k, v, a, b, scale):
-  return _pallas_step(state, q, k, v, a, b, scale), (state, q, k, v, a, b)
+def _pallas_step_fwd(state, q, k, v, a, b, state_indices, scale, dtype):
+  return (_pallas_step(state, q, k, v, a, b, state_indices, scale, dtype),
+          (state, q, k, v, a, b, state_indices))
 
 
-def _pallas_step_bwd(scale, inputs, cotangents):
-  _, pullback = jax.vjp(lambda *x: _jnp_step(*x, scale), *inputs)
+def _pallas_step_bwd(scale, dtype, inputs, cotangents):
+  _, pullback = jax.vjp(
+      lambda *x: _jnp_pool_step(*x, scale, dtype), *inputs)
   return pullback(cotangents)
 
 

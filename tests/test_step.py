@@ -16,6 +16,7 @@ import pytest
 import deltajax
 from deltajax import api
 from deltajax import pallas
+from deltajax.pallas import step as pallas_step
 import reference
 import utils
 
@@ -191,6 +192,56 @@ def test_pool_step_matches_sequence_call(x64, impl):
   unused = [0, 2, 3, 5]
   np.testing.assert_array_equal(np.asarray(new_pool)[unused], pool[unused])
   np.testing.assert_array_equal(o[1], 0)
+
+
+@pytest.mark.parametrize("dims", [(32, 64), (48, 100)], ids=["fits", "padded"])
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_pool_kernel_matches_jnp(dtype, dims):
+  """The kernel steps the pool's slots in the pool's dtype (in place for
+  head dims it runs as they are, through the B slots otherwise); padding
+  rows and unused slots stay as they were."""
+  dk, dv = dims
+  x = utils.random_inputs(31, batch=3, length=1, heads=1, key_dim=dk,
+                          value_dim=dv, per_channel=True, value_heads=2,
+                          states=POOL_SIZE)
+  pool = jnp.asarray(x.initial_state, dtype)
+  token = tuple(jnp.asarray(y[:, 0], jnp.float32) for y in x[:5])
+  o, new_pool = deltajax.gated_delta_step(pool, *token, state_indices=SLOTS,
+                                          impl="pallas")
+  ref_o, ref_pool = deltajax.gated_delta_step(pool, *token,
+                                              state_indices=SLOTS, impl="jnp")
+  assert new_pool.dtype == dtype
+  assert utils.relative_max_error(o, ref_o) < 1e-5
+  np.testing.assert_array_equal(o[1], 0)
+  steps = np.asarray([4, 1])
+  bound = 1e-5 if dtype == jnp.float32 else 1e-2  # a bf16 rounding apart
+  assert utils.relative_max_error(new_pool[steps], ref_pool[steps]) < bound
+  unused = np.asarray([0, 2, 3, 5])
+  np.testing.assert_array_equal(new_pool[unused], pool[unused])
+
+
+@pytest.mark.parametrize("pooled", (False, True), ids=["dense", "pool"])
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_step_kernel_lowers_for_triton(dtype, pooled):
+  """The step lowers through Pallas' Triton lowering for CUDA, on the state
+  in its own dtype: a pool's slots without a gather or scatter around it."""
+  bsz, h, hv, d = 4, 2, 4, 64
+  f32 = jax.ShapeDtypeStruct  # an abstract array
+  state = f32((3 * bsz if pooled else bsz, hv, d, d), dtype)
+  token = (f32((bsz, h, d), jnp.bfloat16), f32((bsz, h, d), jnp.bfloat16),
+           f32((bsz, hv, d), jnp.bfloat16), f32((bsz, hv), jnp.float32),
+           f32((bsz, hv), jnp.float32))
+  slots = f32((bsz,), jnp.int32) if pooled else None
+  step = functools.partial(pallas_step.gated_delta_step_pallas, scale=0.1,
+                           dtype=jnp.float32,
+                           config=pallas.Config(interpret=False))
+  text = jax.export.export(
+      jax.jit(lambda *x: step(*x[:6], state_indices=x[6]), donate_argnums=0),
+      platforms=["cuda"], disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call(
+              "__gpu$xla.gpu.triton")])(state, *token, slots).mlir_module()
+  assert 'name = "deltajax_step"' in text
+  assert ("gather" in text, "scatter" in text) == (False, False)
 
 
 def test_donated_pool_is_updated_in_place():
