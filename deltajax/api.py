@@ -640,19 +640,20 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, state_indices=None,
       once; concrete indices are checked here (a ``ValueError`` names the
       first repeated or out-of-range one), traced ones (under ``jit``) only
       inside :func:`value_checks`; unchecked, a repeated slot gets one of
-      its rows' states. The step gathers the B slots, steps them and
-      scatters them back: jit the caller with the pool donated
-      (``donate_argnums``) and XLA updates it in place; the compiled step
-      then holds no pool-sized buffer beyond the donated one (checked with
+      its rows' states (with ``impl="pallas"``, whichever row writes last).
+      Jit the caller with the pool donated (``donate_argnums``) and XLA
+      updates it in place: the compiled step then holds no pool-sized
+      buffer beyond the donated one (checked with
       ``compiled.memory_analysis()``, tests/test_step.py).
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
       interpret mode off the GPU) or "auto", which is "jnp" everywhere for
       now: the kernel has passed its CPU checks (interpret mode and its
       Triton lowering) but has not yet been compiled and timed on a GPU, so
-      it is opt-in. The kernel updates the state in place inside a loop, or
-      when the state is donated to an enclosing jit; gradients go through
-      the jnp step. Both run between the same gather and scatter of a pool.
+      it is opt-in. "jnp" gathers a pool's B slots, steps them and
+      scatters them back; the kernel reads and writes each row's slot in
+      the pool itself, in the state's dtype. Gradients go through the jnp
+      step.
 
   The state is computed in float32 (float64 for float64 inputs) whatever
   its dtype. Values are checked inside :func:`value_checks`, as in
