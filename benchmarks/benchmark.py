@@ -23,6 +23,13 @@ into n pieces run side by side (``deltajax.parallel.gated_delta_in_pieces``);
 ``config=deltajax.mosaic.Config(pieces=n)`` (its scan and reverse pass in n
 pieces of each sequence; T / 64 a multiple of n) in place of the automatic
 choice.
+
+``--documents N`` packs N documents of random lengths into every row (cuts
+at N - 1 distinct random tokens): ``--packing segment_ids`` (the default)
+passes them to deltajax and jla as ``segment_ids``, ``--packing
+cu_seqlens`` to deltajax as ``cu_seqlens`` over the rows laid end to end
+(B = 1; jla takes segment_ids, its cu_seqlens being reference-only); fla
+takes ``cu_seqlens`` either way.
 """
 
 from __future__ import annotations
@@ -99,6 +106,36 @@ def median_ms(fn, reps: int, sync=None, back_to_back: int = 10) -> float:
   return statistics.median(times)
 
 
+def documents(bsz, t, count, seed=3):
+  """int32 ``segment_ids [B, T]``: each row cut into ``count`` documents at
+  ``count - 1`` distinct random tokens."""
+  rng = np.random.default_rng(seed)
+  starts = np.zeros((bsz, t), np.int32)
+  for row in starts:
+    row[rng.choice(np.arange(1, t), count - 1, replace=False)] = 1
+  return np.cumsum(starts, axis=1, dtype=np.int32)
+
+
+def cu_seqlens_of(segment_ids):
+  """int32 ``[N + 1]``: the documents of ``segment_ids [B, T]`` with the rows
+  laid end to end (B = 1)."""
+  bsz, t = segment_ids.shape
+  starts = np.ones((bsz, t), bool)
+  starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return np.append(np.flatnonzero(starts), bsz * t).astype(np.int32)
+
+
+def end_to_end(attention, cu_seqlens):
+  """``attention(q, k, v, a, b, cu_seqlens=...)`` on the rows laid end to end
+  (B = 1), as ``(q, k, v, a, b) -> o [B, T, HV, V]``."""
+  def packed(q, k, v, a, b):
+    merged = jax.tree.map(lambda x: x.reshape(1, -1, *x.shape[2:]),
+                          (q, k, v, a, b))
+    o = attention(*merged, cu_seqlens=jnp.asarray(cu_seqlens))
+    return o.reshape(q.shape[0], -1, *o.shape[2:])
+  return packed
+
+
 def time_jax(attention, inputs, reps):
   """``(forward ms, forward+backward ms, o, backward temporaries MiB)`` of
   ``attention(q, k, v, a, b) -> o``, a JAX function (deltajax or jla)."""
@@ -135,11 +172,27 @@ def mosaic_config(impl):
   return mosaic.Config(pieces=int(impl[len(MOSAIC_PIECES):]))
 
 
-def deltajax_attention(impl, gate="gdn"):
+def deltajax_attention(impl, gate="gdn", packing=None):
   """``(q, k, v, a, b) -> o`` of deltajax's ``impl``: a name of the
   registry, ``"mosaic:pieces=<n>"`` (:func:`mosaic_config`), or
   ``"<impl>/<n>"``, that implementation with T cut into n pieces run side
-  by side (:func:`deltajax.parallel.gated_delta_in_pieces`)."""
+  by side (:func:`deltajax.parallel.gated_delta_in_pieces`); ``packing``:
+  None, or ``(kind, segment_ids)`` with kind "segment_ids" or "cu_seqlens"
+  (a name of the registry only)."""
+  if packing is not None:
+    if "/" in impl or ":" in impl:
+      raise ValueError(f"--documents times the registry's implementations; "
+                       f"got {impl!r}")
+    kind, segment_ids = packing
+    rule = deltajax.gated_delta
+    if gate == "gdn2":
+      rule = lambda q, k, v, a, b, **kw: deltajax.gdn2(q, k, v, a, *b, **kw)
+    if kind == "cu_seqlens":
+      return end_to_end(lambda *x, **kw: rule(*x, impl=impl, **kw),
+                        cu_seqlens_of(segment_ids))
+    ids = jnp.asarray(segment_ids)
+    return lambda q, k, v, a, b: rule(q, k, v, a, b, impl=impl,
+                                      segment_ids=ids)
   if ":" in impl:
     config = mosaic_config(impl)
     return lambda q, k, v, a, b: deltajax.gated_delta(
@@ -156,8 +209,9 @@ def deltajax_attention(impl, gate="gdn"):
   return lambda q, k, v, a, b: deltajax.gated_delta(q, k, v, a, b, impl=impl)
 
 
-def load_jla(gate):
-  """jla's attention ``(q, k, v, a, b) -> o`` for the gate, or None."""
+def load_jla(gate, segment_ids=None):
+  """jla's attention ``(q, k, v, a, b) -> o`` for the gate (of packed
+  documents with ``segment_ids [B, T]``), or None."""
   try:
     from jla import ops
   except ImportError as e:
@@ -169,6 +223,8 @@ def load_jla(gate):
     # jla takes one head count: grouped value heads get q, k repeated.
     q, k = (jnp.repeat(x, v.shape[2] // x.shape[2], axis=2) for x in (q, k))
     gates = dict(b=b[0], w=b[1]) if gate == "gdn2" else dict(beta=b)
+    if segment_ids is not None:
+      gates["segment_ids"] = jnp.asarray(segment_ids)
     return ops.linear_attention(kind, q, k, v, g=a,
                                 scale=q.shape[-1] ** -0.5, **gates)[0]
   return attention
@@ -197,11 +253,19 @@ def load_fla(gate):
   return torch, chunk_gated_delta_rule
 
 
-def time_fla(fla, inputs, reps):
-  """``(forward ms, forward+backward ms, o)`` for fla, timed as JAX is."""
+def time_fla(fla, inputs, reps, segment_ids=None):
+  """``(forward ms, forward+backward ms, o)`` for fla, timed as JAX is; with
+  ``segment_ids [B, T]``, their documents as ``cu_seqlens`` over the rows
+  laid end to end."""
   torch, chunk_gated_delta_rule = fla
   q, k, v, a, b, do = inputs
   gates = b if isinstance(b, tuple) else (b,)  # Gated DeltaNet-2: b, w
+  options, shape = {}, v.shape
+  if segment_ids is not None:
+    merge = lambda x: x.reshape(1, -1, *x.shape[2:])
+    q, k, v, a, do, *gates = map(merge, (q, k, v, a, do, *gates))
+    options["cu_seqlens"] = torch.tensor(cu_seqlens_of(segment_ids),
+                                         device="cuda", dtype=torch.long)
   q, k, v, a, do, *gates = (torch.tensor(x, device="cuda")
                             for x in (q, k, v, a, do, *gates))
   q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
@@ -210,14 +274,14 @@ def time_fla(fla, inputs, reps):
   q, k, v, a, *gates = (x.requires_grad_() for x in (q, k, v, a, *gates))
 
   def fwd():
-    return chunk_gated_delta_rule(q, k, v, a, *gates)[0]
+    return chunk_gated_delta_rule(q, k, v, a, *gates, **options)[0]
 
   def fwd_bwd():
     fwd().backward(do)
 
   sync = lambda _: torch.cuda.synchronize()
   with torch.no_grad():
-    o = fwd().float().cpu().numpy()
+    o = fwd().float().cpu().numpy().reshape(shape)
     t_fwd = median_ms(fwd, reps, sync)
   torch.cuda.reset_peak_memory_stats()
   before = torch.cuda.memory_allocated()
@@ -277,8 +341,10 @@ def implementations_for(shape, only=None):
 
 
 def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
-        peers=("jla", "fla")):
-  """Returns rows ``{shape, impl, fwd, fwd_bwd, err, mem}``.
+        peers=("jla", "fla"), documents_per_row=0, packing="segment_ids"):
+  """Returns rows ``{shape, impl, fwd, fwd_bwd, err, mem}``; with
+  ``documents_per_row``, of that many documents per row (:func:`documents`)
+  passed as ``packing``.
 
   ``err`` is the relative RMS difference of the output from chunked's (from
   the first implementation timed when ``only`` leaves chunked out).
@@ -287,20 +353,25 @@ def run(shapes, reps, only=None, on_shape=lambda rows: None, gate="gdn",
   time limit.
   """
   fla = load_fla(gate) if "fla" in peers else None
-  jla = load_jla(gate) if "jla" in peers else None
   rows = []
   for shape in shapes:
     inputs = make_inputs(shape, gate=gate)
+    ids = (documents(*shape[:2], documents_per_row) if documents_per_row
+           else None)
+    jla = load_jla(gate, ids) if "jla" in peers else None
     results = {}
     for impl in implementations_for(shape, only):
       log(f"{shape} {impl} ...")
-      results[impl] = time_jax(deltajax_attention(impl, gate), inputs, reps)
+      results[impl] = time_jax(
+          deltajax_attention(impl, gate,
+                             None if ids is None else (packing, ids)),
+          inputs, reps)
     if jla is not None:
       log(f"{shape} jla ...")
       results["jla"] = time_jax(jla, inputs, reps)
     if fla is not None:
       log(f"{shape} fla ...")
-      results["fla"] = time_fla(fla, inputs, reps)
+      results["fla"] = time_fla(fla, inputs, reps, ids)
     ref = results.get("chunked", next(iter(results.values())))[2]
     for impl, (t_fwd, t_bwd, o, mem) in results.items():
       rows.append(dict(shape=shape, impl=impl, fwd=t_fwd, fwd_bwd=t_bwd,
@@ -449,6 +520,12 @@ def main():
   parser.add_argument("--impls", nargs="*", default=None,
                       help="deltajax implementations to time (default: all)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--documents", type=int, default=0,
+                      help="documents of random lengths packed into each row "
+                      "(0: none)")
+  parser.add_argument("--packing", choices=("segment_ids", "cu_seqlens"),
+                      default="segment_ids",
+                      help="how deltajax takes the --documents")
   parser.add_argument("--replot", metavar="TABLE_MD", default=None,
                       help="only redraw time_vs_t.png from a saved table")
   args = parser.parse_args()
@@ -461,6 +538,9 @@ def main():
   log(f"devices: {jax.devices()}  jax {jax.__version__}")
   os.makedirs(args.out, exist_ok=True)
   heading = f"{jax.devices()[0].device_kind}, {datetime.date.today()}"
+  if args.documents:
+    heading += (f", {args.documents} documents per row as "
+                f"{args.packing}")
   method = (f"JAX {jax.__version__}; median of {args.reps} samples of 10 "
             f"back-to-back calls (benchmark.median_ms)")
 
@@ -480,7 +560,8 @@ def main():
 
   rows = run(shapes, args.reps, args.impls,
              on_shape=lambda rows: write(rows, text(rows)), gate=args.gate,
-             peers=args.peers)
+             peers=args.peers, documents_per_row=args.documents,
+             packing=args.packing)
   final = text(rows, time_decode_step(gate=args.gate))
   write(rows, final)
   print(final)

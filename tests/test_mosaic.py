@@ -213,16 +213,34 @@ def test_mosaic_per_channel_segment_ids_match_float64():
   _check(x, options=dict(segment_ids=SEGMENT_IDS))
 
 
-def test_mosaic_cu_seqlens_match_float64():
+@pytest.mark.parametrize("per_channel, x64", [
+    (False, True), (True, True),
+    pytest.param(False, False, marks=pytest.mark.slow)],
+    ids=["gdn", "kda", "gdn-3wg"])
+def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
   """cu_seqlens (B = 1, per-sequence initial and final states): sequences
-  of 1, 63, 64 and 65 tokens, the last two crossing chunk borders in the
-  packed input (their layout is chunk-aligned), each from its own initial
-  state; the Pallas kernels' scans run them."""
-  cu = np.cumsum([0, 1, 63, 64, 65])
+  of 1, 0, 63, 64 and 65 tokens, the last two crossing chunk borders in
+  the packed input (their layout is chunk-aligned), each from its own
+  initial state, the empty one keeping it. The Mosaic GPU kernels of an
+  unpacked call run them, the scan and the reverse pass entering and
+  leaving each sequence at its chunks' bounds; on the one-warpgroup path
+  (``jax_enable_x64``), per head and per channel, and the three-warpgroup
+  one."""
+  cu = np.cumsum([0, 1, 0, 63, 64, 65])
   x = utils.random_inputs(45, batch=1, length=int(cu[-1]), heads=1,
                           value_heads=2, key_dim=64, value_dim=64,
-                          gate_scale=0.1, state_scale=0.1, states=4)
-  _check(x, options=dict(cu_seqlens=cu))
+                          per_channel=per_channel, gate_scale=0.1,
+                          state_scale=0.1, states=5)
+  _check(x, x64=x64, options=dict(cu_seqlens=cu))
+
+  def kernels(options):
+    loss = lambda *z: deltajax.gated_delta(
+        *z[:5], initial_state=z[5][:1 + 4 * bool(options)], impl="mosaic",
+        **options).sum()
+    return _kernel_names(jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(
+        *_args(x)).jaxpr)
+  with jax.enable_x64(x64):
+    assert kernels(dict(cu_seqlens=cu)) == kernels({})
 
 
 # Three documents in T = 192 (three chunks of 64), the first one chunk 0,
@@ -365,6 +383,28 @@ def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
   with jax.enable_x64(True):
     jax.jit(jax.grad(loss, argnums=range(6))).trace(*args).lower(
         lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("per_channel, x64", [
+    (False, False), (False, True), (True, True)],
+    ids=("gdn-3wg", "gdn", "kda"))
+def test_packed_lowers_for_the_gpu(per_channel, x64, monkeypatch):
+  """Packed sequences (``chunk_seq``) forward and backward lower for CUDA
+  on each path: the chunks' sequence bounds copied with their tiles, the
+  states loaded and stored under conditions, in the shared memory that the
+  lowering checks."""
+  *args, _ = _compiled_inputs(monkeypatch, 256, 1, 2, 128, per_channel)
+  states = jax.ShapeDtypeStruct((3, 2, 128, 128), jnp.float32)
+  chunk_seq = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+  def loss(*x):
+    o, final = mosaic.gated_delta_mosaic(*x[:6], None, x[6], scale=0.1,
+                                         chunk_size=64)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  with jax.enable_x64(x64):
+    jax.jit(jax.grad(loss, argnums=range(6))).trace(
+        *args, states, chunk_seq).lower(lowering_platforms=("cuda",))
 
 
 def test_default_pieces(monkeypatch):

@@ -56,9 +56,13 @@ the reverse pass walks every piece (:func:`_reverse_in_pieces`).
 Cuts (``segment_ids``) are folded into the gate, a full forget at every
 cut token (:func:`cut_into_gate`): the same kernels, the same work, the
 decays across a cut 0 in float32. Packed sequences (``cu_seqlens``:
-``chunk_seq``, per-sequence initial and final states) run on the Pallas
-kernels (:func:`deltajax.pallas.ops.gated_delta_pallas`), whose scans
-take them.
+``chunk_seq``, each sequence's chunks in a row of their own, with its own
+initial and final state) run in one piece: the scan takes each chunk's
+sequence bounds (:func:`scan.sequence_bounds`) with its tiles, enters a
+sequence's first chunk from its initial state and writes the state leaving
+its last chunk; the reverse pass does the transpose (the final state's
+cotangent entering the last chunk, the initial state's leaving the
+first). Every other stage works per chunk, as unpacked.
 
 Gated DeltaNet-2 (``b = (erase, write)``) runs on the per-channel kernels:
 the read keys ``kr = erase * k`` and the values ``write * v``, beta 1
@@ -152,8 +156,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
     cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
       into a (:func:`cut_into_gate`).
-    chunk_seq: None or int32 ``[T / 64]`` (B = 1): the Pallas kernels run
-      the call (:func:`deltajax.pallas.ops.gated_delta_pallas`).
+    chunk_seq: None or int32 ``[T / 64]`` (B = 1): packed sequences, run
+      in one piece.
     scale: Python float multiplying q.
     chunk_size: 64.
     config: :class:`Config` (None: the defaults).
@@ -183,16 +187,11 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   dtype = jnp.result_type(q, k, v)
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
-  if chunk_seq is not None:
-    # Per-sequence initial and final states: the Pallas kernels' scans.
-    return pallas_ops.gated_delta_pallas(
-        q, k, v, a, b, initial_state, cut, chunk_seq, scale=scale,
-        chunk_size=chunk_size)
   b, kr, v = stages.read_keys(b, q, k, v)
   if cut is not None:
     a = cut_into_gate(a, cut)
   n_chunks = -(-q.shape[1] // CHUNK)
-  pieces = config.pieces
+  pieces = 1 if chunk_seq is not None else config.pieces
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
                              n_chunks)
@@ -203,7 +202,10 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32),
-                     None if kr is None else kr.astype(dtype))
+                     None if kr is None else kr.astype(dtype), chunk_seq)
+  if chunk_seq is not None:  # a sequence without chunks keeps its state
+    final = jnp.where(stages.unvisited(chunk_seq, final.shape[0]),
+                      initial_state.astype(jnp.float32), final)
   return o.astype(v.dtype), final.astype(initial_state.dtype)
 
 
@@ -325,9 +327,9 @@ def _padded(q, k, v, a, initial_state, kr):
           stages.pad_state(initial_state, kw, vw), stages.pad_keys(kr, k))
 
 
-def _forward(plan, scale, q, k, v, a, b, initial_state, kr, save):
+def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, save):
   """The outputs and, with ``save``, the backward's residuals, on inputs
-  padded by :func:`_padded`."""
+  padded by :func:`_padded`; ``chunk_seq``: packed sequences, or None."""
   schedule, pieces = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
@@ -349,7 +351,8 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, kr, save):
   o, final, *saved = scan.forward(
       mg, q, k, vp, t, g, beta, s0, scale=scale, save=save,
       schedule=schedule, channel=channel,
-      pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces))
+      pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces),
+      bounds=_bounds(chunk_seq))
   final = final[pieces - 1::pieces]  # the last piece's
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
@@ -366,21 +369,28 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, kr, save):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr):
+def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v (and read keys kr, or
-  None) and float32 a, b and initial state; scale and ``plan`` (the scan's
-  schedule, its pieces) are static."""
-  return _forward(plan, scale, q, k, v, a, b, initial_state, kr,
+  None) and float32 a, b and initial state, packed sequences' chunk_seq
+  or None; scale and ``plan`` (the scan's schedule, its pieces) are
+  static."""
+  return _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq,
                   save=False)[0]
 
 
-def _fwd(scale, plan, q, k, v, a, b, initial_state, kr):
+def _fwd(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq):
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
-                                    initial_state, kr, save=True)
+                                    initial_state, kr, chunk_seq, save=True)
   # The backward runs on the padded inputs: its kernels' widths too.
   q, k, v, a, initial_state, kr = _padded(q, k, v, a, initial_state, kr)
   return outputs, (stages.Residuals(q, k, v, a, b, initial_state, cut=None,
-                                    chunk_seq=None, kr=kr, **saved), maps)
+                                    chunk_seq=chunk_seq, kr=kr, **saved),
+                   maps)
+
+
+def _bounds(chunk_seq):
+  """The kernels' sequence bounds of packed sequences (None: unpacked)."""
+  return None if chunk_seq is None else scan.sequence_bounds(chunk_seq)
 
 
 # The backward's stages (:class:`stages.Stages`) in Mosaic GPU, under their
@@ -407,23 +417,26 @@ def _output(mg, *, q, k, g, states, delta, d_o, scale, fused, **_):
 
 
 def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
-             decayed, maps, a, **_):
+             decayed, chunk_seq, maps, a, **_):
   """:func:`reverse.backward`: per channel (``decayed``: ``(Q e^g, K
   e^{g_C - g})``; g at each chunk's end) those in place of q and k;
   :func:`reverse.specialized` where W is left to it (w None: it forms W
   from t and beta b, dDelta_local too, and writes no dDelta). With
   ``maps`` (of the forward's pieces but the first, ``[P - 1, B, HV, K,
-  K]``), in those pieces (:func:`_reverse_in_pieces`)."""
+  K]``), in those pieces (:func:`_reverse_in_pieces`); with ``chunk_seq``,
+  from each packed sequence's final state's cotangent ``d_final [N, HV, K,
+  V]``."""
+  bounds = dict(bounds=_bounds(chunk_seq))  # one piece where packed
   if w is None:
     run = functools.partial(reverse.specialized, mg, q, k, t, g, b, d_o,
-                            scale=scale)
+                            scale=scale, **bounds)
   else:
     if decayed is not None:
       q, k = decayed
       g = mark_forgets(g, a)
     run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
                             d_delta_local, scale=scale,
-                            per_channel=decayed is not None)
+                            per_channel=decayed is not None, **bounds)
   if maps is None:
     return run(d_final)
   return _reverse_in_pieces(run, d_final, maps, q.shape[1] // CHUNK)
@@ -502,7 +515,7 @@ def _bwd(scale, plan, residuals, cotangents):
   if dkr is not None:
     dkr = dkr[..., :n_k]
   return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da, db,
-          d_initial[..., :n_k, :n_v], dkr)
+          d_initial[..., :n_k, :n_v], dkr, None)
 
 
 _mosaic.defvjp(_fwd, _bwd)

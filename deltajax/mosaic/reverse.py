@@ -63,7 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from deltajax.mosaic import core
 from deltajax.mosaic import scan
 from deltajax.mosaic.core import COLS, ROWS, WGMMA
-from deltajax.mosaic.scan import BV, C
+from deltajax.mosaic.scan import BOUNDS, BV, C
 
 SLOTS = 2  # chunks of input tiles in flight
 _INPUTS = 6  # TMA copies per chunk: q, k, W, the gate, dO, dDelta_local
@@ -81,9 +81,42 @@ class _Shared(NamedTuple):
   read: object    # [C, BV] scale e^g * dO (per head)
   neg: object     # [C, BV] -dDelta
   out: object     # [C, BV] dDelta
-  f: object       # [K, BV] float32: dS of the final, then the initial state
+  f: object       # [K, BV] float32: dS of a final, then an initial state
   loaded: object  # SLOTS barriers: a slot's tiles arrived
-  final: object   # barrier: dS of the final state arrived
+  final: object   # barrier: dS of a final state arrived
+  bounds: object = None  # [SLOTS, BOUNDS] int32 packed: sequence bounds
+
+
+def _exit_cotangent(mg, sh, slot, ds, final_at):
+  """The cotangent of the state leaving the chunk in ``slot`` from ``ds``,
+  the one entering the chunk after: packed (``sh.bounds``), its sequence's
+  final state's (``final_at(seq)``, a GMEM ref) where the chunk ends
+  one."""
+  if sh.bounds is None:
+    return ds
+
+  def given():  # once sh.f's last entry cotangent has left
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.copy_gmem_to_smem(final_at(sh.bounds[slot, 0]), sh.f, sh.final)
+    plgpu.barrier_wait(sh.final)
+    return mg.load(sh.f, WGMMA)
+
+  return lax.cond(sh.bounds[slot, 2] != 0, given, lambda: ds)
+
+
+def _store_entry_cotangent(sh, slot, ds, initial_at):
+  """Packed (``sh.bounds``): ``ds``, the cotangent of the state entering
+  the chunk in ``slot``, to its sequence's initial state's
+  (``initial_at(seq)``) where the chunk starts one."""
+  if sh.bounds is None:
+    return
+
+  @pl.when(sh.bounds[slot, 1] != 0)
+  def _store():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, initial_at(sh.bounds[slot, 0]))
 
 
 def _outputs(refs, local, deltas=True):
@@ -98,7 +131,8 @@ def _outputs(refs, local, deltas=True):
 
 
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
-          groups, scale, per_channel, pieces, local):
+          groups, scale, per_channel, pieces, local, packed):
+  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
   d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
   sh = _Shared(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
@@ -109,12 +143,15 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
   def issue(n, slot):
     n = first + n
     tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
-    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
-                     (k_ref.at[bi, tokens, hk], sh.k),
-                     (w_ref.at[bi, tokens, h], sh.w),
-                     (g_ref.at[bi, h, n if per_channel else tokens], sh.g),
-                     (do_ref.at[bi, tokens, h, cols], sh.d_o),
-                     (dd_ref.at[bi, tokens, h, cols], sh.dd)):
+    copies = [(q_ref.at[bi, tokens, hk], sh.q),
+              (k_ref.at[bi, tokens, hk], sh.k),
+              (w_ref.at[bi, tokens, h], sh.w),
+              (g_ref.at[bi, h, n if per_channel else tokens], sh.g),
+              (do_ref.at[bi, tokens, h, cols], sh.d_o),
+              (dd_ref.at[bi, tokens, h, cols], sh.dd)]
+    if packed:
+      copies.append((bounds_ref.at[n], sh.bounds))
+    for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
 
   def begin(i):
@@ -153,6 +190,7 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
 
   def step(i, ds):
     n, slot, tokens = begin(i)
+    ds = _exit_cotangent(mg, sh, slot, ds, lambda m: state_at(dfinal_ref, m))
     sh.ds[...] = ds.astype(sh.ds.dtype)
     if per_channel:  # q and k come decayed
       on_kds, reads = 1.0, sh.d_o.at[slot]
@@ -173,10 +211,12 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
     sh.neg[...] = (-d_delta / unit).astype(sh.neg.dtype)
     plgpu.commit_smem()
     store(sh.out, d_delta_ref, (bi, tokens, h, cols))
-    ds = unit * mg.mm([(core.T(sh.q.at[slot]), reads),
-                       (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
-                      decay(slot, ds) / unit)
-    return entry(slot, ds)
+    ds = entry(slot, unit * mg.mm([(core.T(sh.q.at[slot]), reads),
+                                   (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
+                                  decay(slot, ds) / unit))
+    _store_entry_cotangent(sh, slot, ds,
+                           lambda m: state_at(d_initial_ref, m))
+    return ds
 
   def entry(slot, ds):
     """The cotangent of the chunk's entry state, zero where its first token
@@ -185,16 +225,18 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
       return scan.forgets(mg, ds, g_end=mg.load(sh.g.at[slot], ROWS))
     return scan.forgets(mg, ds, g_first=sh.g[slot, 0])
 
-  # This CTA's columns of its row's dS.
-  state_at = lambda ref: ref.at[row, h, :, cols]
+  # This CTA's columns of dS of state m: its row's, or packed, a sequence's
+  # (the last chunk takes its own on entry).
+  state_at = lambda ref, m=row: ref.at[m, h, :, cols]
   plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
   issue(n_chunks - 1, 0)
   plgpu.barrier_wait(sh.final)
   ds = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  sh.f[...] = ds
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
+  if not packed:  # else each sequence's first chunk stored its own
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -211,16 +253,18 @@ class _Formed(NamedTuple):
   p: object       # [SLOTS, C, C] P, formed by WG1
   kb: object      # [C, K] WG1's diag(b e^g) K
   ds: object      # [K, BV] dS's 16-bit copy
-  f: object       # [BV, K] float32: dS^T of the final, then initial state
+  f: object       # [BV, K] float32: dS^T of a final, then initial state
   loaded: object  # SLOTS barriers: a slot's tiles arrived
   formed: object  # SLOTS barriers: WG1 formed the slot's W and P
   free: object    # SLOTS barriers: WG0 and WG1 are done with the slot
-  final: object   # barrier: dS^T of the final state arrived
+  final: object   # barrier: dS^T of a final state arrived
   done: object    # barrier: every warpgroup is done
+  bounds: object = None  # [SLOTS, BOUNDS] int32 packed: sequence bounds
 
 
 def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
-                      dfinal_ref, *refs, groups, scale, pieces, local):
+                      dfinal_ref, *refs, groups, scale, pieces, local, packed):
+  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
   _, d_next_ref, d_initial_ref, scratch = _outputs(refs, local,
                                                    deltas=False)
   sh = _Formed(*scratch)
@@ -236,12 +280,15 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
   def issue(i):
     n, slot = at(i)
     tokens, arrived = pl.ds(n * C, C), sh.loaded.at[slot]
-    for src, dst in ((q_ref.at[bi, tokens, hk], sh.q),
-                     (k_ref.at[bi, tokens, hk], sh.k),
-                     (t_ref.at[bi, h, tokens], sh.t),
-                     (g_ref.at[bi, h, tokens], sh.g),
-                     (b_ref.at[bi, h, tokens], sh.beta),
-                     (do_ref.at[bi, tokens, h, cols], sh.d_o)):
+    copies = [(q_ref.at[bi, tokens, hk], sh.q),
+              (k_ref.at[bi, tokens, hk], sh.k),
+              (t_ref.at[bi, h, tokens], sh.t),
+              (g_ref.at[bi, h, tokens], sh.g),
+              (b_ref.at[bi, h, tokens], sh.beta),
+              (do_ref.at[bi, tokens, h, cols], sh.d_o)]
+    if packed:
+      copies.append((bounds_ref.at[n], sh.bounds))
+    for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
 
   wg = lax.axis_index("wg")
@@ -290,11 +337,15 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
     mg.set_max_registers(232, action="increase")
     tile = (BV, C)
     per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
+    # dS^T of state m's columns: its row's, or packed, a sequence's.
+    state_at = lambda ref, m=row: ref.at[m, h, cols]
 
     def step(i, ds_t):
       n, slot = at(i)
       plgpu.barrier_wait(sh.loaded.at[slot])
       plgpu.barrier_wait(sh.formed.at[slot])
+      ds_t = _exit_cotangent(mg, sh, slot, ds_t,
+                             lambda m: state_at(dfinal_ref, m))
       g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
       ds_lo = ds_t.astype(dtype)
       d_o_t = mg.load(core.T(sh.d_o.at[slot]), WGMMA)
@@ -318,16 +369,19 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
             jnp.exp(g_end) * ds_t)], meanwhile=stores)
       # Zero where the chunk's first token is a full forget: selected.
       ds_t = scan.forgets(mg, ds_t, g_first=sh.g[slot, 0])
+      _store_entry_cotangent(sh, slot, ds_t,
+                             lambda m: state_at(d_initial_ref, m))
       plgpu.barrier_arrive(sh.free.at[slot])
       return ds_t
 
-    plgpu.copy_gmem_to_smem(dfinal_ref.at[row, h, cols], sh.f, sh.final)
+    plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
     plgpu.barrier_wait(sh.final)
     ds_t = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sh.f[...] = ds_t
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.f, d_initial_ref.at[row, h, cols])
+    if not packed:  # else each sequence's first chunk stored its own
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      sh.f[...] = ds_t
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
     plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (as in scan's "specialized").
@@ -336,7 +390,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
 
 
 def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
-                local=False):
+                local=False, bounds=None):
   """The per-head reverse pass of the three-warpgroup scan, carrying
   ``dS^T`` and forming W and dDelta_local itself.
 
@@ -349,7 +403,7 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
     d_final: ``[B P, HV, K, V]`` float32, the cotangent of each piece's
       exit state.
     scale: Python float multiplying q.
-    pieces, local: as for :func:`backward`.
+    pieces, local, bounds: as for :func:`backward`.
 
   Returns:
     ``(None, d_next, d_initial)`` as :func:`backward` returns them, with no
@@ -358,8 +412,8 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
-  dtype = k.dtype
-  pieces = _whole(pieces, t_len)
+  dtype, packed = k.dtype, bounds is not None
+  pieces = _whole(pieces, t_len, bounds)
   out_type = _out_type(None, dtype, (bsz, heads, t_len // C, dk, dv),
                        (d_final.shape[0], heads, dv, dk), local)
   keys = core.smem((SLOTS, C, dk), dtype)
@@ -370,27 +424,41 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
              core.smem((SLOTS, C, BV), dtype), keys, square,
              core.smem((C, dk), dtype), core.smem((dk, BV), dtype),
              core.smem((BV, dk), jnp.float32),
-             plgpu.Barrier(num_arrivals=6, num_barriers=SLOTS), slots,
-             plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
-             plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3)]
+             plgpu.Barrier(num_arrivals=6 + packed, num_barriers=SLOTS),
+             slots, plgpu.Barrier(num_arrivals=2, num_barriers=SLOTS),
+             plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=3),
+             *_bounds_scratch(bounds)]
   body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
                                          scale=scale, pieces=pieces,
-                                         local=local)
+                                         local=local, packed=packed)
   *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       num_threads=3, thread_name="wg",
       kernel_name="deltajax_mosaic_reverse_specialized",
-  )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3))
+  )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3), *_bounds_input(bounds))
   d_initial = jnp.swapaxes(d_initial, 2, 3)
   if local:
     return d_initial
   return (None, *outs, d_initial)
 
 
-def _whole(pieces, t_len):
-  """``pieces``, or None: the whole sequence, one piece."""
+def _whole(pieces, t_len, bounds):
+  """``pieces``, or None: the whole sequence, one piece (the only one with
+  packed sequences' ``bounds``)."""
+  if bounds is not None and pieces is not None:
+    raise ValueError(f"packed sequences run in one piece; got {pieces}")
   return scan.Pieces(1, t_len // C) if pieces is None else pieces
+
+
+def _bounds_scratch(bounds):
+  """The shared memory of packed sequences' ``bounds``: one row per slot."""
+  return [] if bounds is None else [plgpu.SMEM((SLOTS, BOUNDS), jnp.int32)]
+
+
+def _bounds_input(bounds):
+  """The kernel's inputs after d_final: ``bounds``, where packed."""
+  return () if bounds is None else (bounds,)
 
 
 def _out_type(d_delta, dtype, d_next, d_initial, local):
@@ -405,7 +473,7 @@ def _out_type(d_delta, dtype, d_next, d_initial, local):
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
-             per_channel=False, pieces=None, local=False):
+             per_channel=False, pieces=None, local=False, bounds=None):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -426,6 +494,9 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
       state's cotangent; None: the whole sequence, one piece.
     local: write nothing but ``d_initial`` (a piece's own share of its
       entry state's cotangent, from a zero ``d_final``).
+    bounds: None, or packed sequences (B = 1, one piece, not ``local``):
+      :func:`scan.sequence_bounds` of the chunks; ``d_final`` and
+      ``d_initial`` are then the sequences', ``[N, HV, K, V]``.
 
   Returns:
     ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
@@ -435,8 +506,8 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
-  dtype = k.dtype
-  pieces = _whole(pieces, t_len)
+  dtype, packed = k.dtype, bounds is not None
+  pieces = _whole(pieces, t_len, bounds)
   out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
                        d_final.shape, local)
   keys = core.smem((SLOTS, C, dk), dtype)
@@ -447,14 +518,14 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
              core.smem((SLOTS, C, BV), jnp.float32),
              core.smem((dk, BV), dtype), tile, tile, tile,
              core.smem((dk, BV), jnp.float32),
-             plgpu.Barrier(num_arrivals=_INPUTS, num_barriers=SLOTS),
-             plgpu.Barrier(num_arrivals=1)]
+             plgpu.Barrier(num_arrivals=_INPUTS + packed, num_barriers=SLOTS),
+             plgpu.Barrier(num_arrivals=1), *_bounds_scratch(bounds)]
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              per_channel=per_channel, pieces=pieces,
-                             local=local)
+                             local=local, packed=packed)
   *outs, d_initial = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_reverse",
-  )(q, k, w, g, d_o, d_delta_local, d_final)
+  )(q, k, w, g, d_o, d_delta_local, d_final, *_bounds_input(bounds))
   return d_initial if local else (*outs, d_initial)

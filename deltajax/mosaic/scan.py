@@ -85,6 +85,9 @@ SLOTS = 2  # chunks of input tiles in flight
 # K e^g, v, T, K e^{g_C - g}, the gate at the chunk's end, beta).
 _INPUTS = 7
 SCHEDULES = ("one", "specialized")
+# The words of a chunk's sequence bounds (:func:`sequence_bounds`): a TMA
+# copy moves a multiple of 128 bytes.
+BOUNDS = 32
 
 
 class _Shared(NamedTuple):
@@ -102,13 +105,14 @@ class _Shared(NamedTuple):
   g_cols: object  # [SLOTS, C] float32, read per column
   g_end: object   # [SLOTS, K] float32 per channel: g at the chunk's end
   beta: object    # [SLOTS, C] float32
+  bounds: object  # [SLOTS, BOUNDS] int32 packed: the chunk's sequence bounds
   s: object       # [K, BV] S's 16-bit copy ([BV, K] where carried)
   y: object       # [C, BV] diag(b) (V - (K e^g) S)
   d_hi: object    # [C, BV] Delta's 16-bit copy (Delta^T where carried)
   d_lo: object    # [C, BV] per channel: the rest of Delta
   e: object       # [C, BV] e^{g_C - g} Delta
   o: object       # [C, BV] the output tile
-  f: object       # [K, BV] float32: the initial, then the final state
+  f: object       # [K, BV] float32: an initial, then a final state
   p: object       # [C, C] float32 per channel: P (one slot, own barrier)
   loaded: object  # SLOTS barriers: a slot's tiles arrived
   s0: object      # barrier: the initial state arrived
@@ -127,6 +131,8 @@ _PUBLISHED = ("s", "d_hi", "o")
 # A map pass (:func:`piece_maps`) reads no queries and forms no output; in
 # the specialized schedule it publishes nothing either.
 _OUTPUT_ONLY = ("q", "o", "p", "p_loaded")
+# Only with packed sequences (``chunk_seq``).
+_PACKED_ONLY = ("bounds",)
 
 
 class Pieces(NamedTuple):
@@ -154,10 +160,12 @@ def _roles(maps):
   return ("state", "memory") if maps else ("state", "output", "memory")
 
 
-def _fields(per_channel, schedule, maps):
+def _fields(per_channel, schedule, maps, packed):
   """The :class:`_Shared` fields that a scan of this gate and schedule (a
-  map pass with ``maps``) allocates."""
+  map pass with ``maps``; ``packed``: of packed sequences) allocates."""
   absent = _SCALAR_ONLY if per_channel else _CHANNEL_ONLY
+  if not packed:
+    absent += _PACKED_ONLY
   if schedule != "one":
     absent += _ONE_ONLY
   if maps:
@@ -165,9 +173,9 @@ def _fields(per_channel, schedule, maps):
   return tuple(f for f in _Shared._fields if f not in absent)
 
 
-def _shared(refs, per_channel, schedule, maps):
+def _shared(refs, per_channel, schedule, maps, packed):
   """``(_Shared, the remaining refs)`` from the kernel's scratch refs."""
-  present = _fields(per_channel, schedule, maps)
+  present = _fields(per_channel, schedule, maps, packed)
   named = dict(zip(present, refs))
   sh = _Shared(**{f: named.get(f) for f in _Shared._fields})
   if per_channel and not maps:
@@ -381,15 +389,16 @@ def forgets(mg, s, *, g_first=None, g_end=None):
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
-          scale, save, schedule, per_channel, pieces, maps):
+          scale, save, schedule, per_channel, pieces, maps, packed):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
   refs = refs[2:] if per_channel else refs
+  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
   o_ref, final_ref, *refs = (None, *refs) if maps else refs
   deltas = _saves_deltas(schedule)
   saved = (1 + deltas) if save else 0
   states_ref, delta_ref = (*refs[:saved], None, None)[:2]
   refs = refs[saved:]
-  sh, sync = _shared(refs, per_channel, schedule, maps)
+  sh, sync = _shared(refs, per_channel, schedule, maps, packed)
   carried = _carried(schedule, save, maps)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
@@ -413,7 +422,10 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     else:
       copies += [(g_ref.at[bi, h, tokens], sh.g_rows),
                  (g_ref.at[bi, h, tokens], sh.g_cols)]
-    for src, dst in (*copies, (b_ref.at[bi, h, tokens], sh.beta)):
+    copies.append((b_ref.at[bi, h, tokens], sh.beta))
+    if packed:
+      copies.append((bounds_ref.at[n], sh.bounds))
+    for src, dst in copies:
       plgpu.copy_gmem_to_smem(src, dst.at[slot], arrived)
 
   def issue_scores(n):
@@ -426,14 +438,39 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
                   values, carried)
 
   transposed = schedule != "one"  # carrying S^T
-  # This CTA's columns of its row's state (rows of the transposed one).
-  state_at = lambda ref: ref.at[row, h, state_cols] if transposed else (
-      ref.at[row, h, :, state_cols])
+  # This CTA's columns of state ``n`` (rows of the transposed one): its
+  # row's, or packed, a sequence's.
+  state_at = lambda ref, n=row: ref.at[n, h, state_cols] if transposed else (
+      ref.at[n, h, :, state_cols])
 
-  def initial_state():
-    plgpu.copy_gmem_to_smem(state_at(s0_ref), sh.f, sh.s0)
+  def initial_state(n=row):
+    plgpu.copy_gmem_to_smem(state_at(s0_ref, n), sh.f, sh.s0)
     plgpu.barrier_wait(sh.s0)
     return mg.load(sh.f, WGMMA)
+
+  def enter(x, s):
+    """The state entering chunk ``x`` from ``s``, the one leaving the chunk
+    before: packed, its sequence's initial state where the chunk starts
+    one; zeros at a full forget (:meth:`_Chunk.entry`)."""
+    if packed:
+      def initial():  # once sh.f's last final state has left
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return initial_state(sh.bounds[x.slot, 0])
+      s = lax.cond(sh.bounds[x.slot, 1] != 0, initial, lambda: s)
+    return x.entry(s)
+
+  def leave(x, s):
+    """Packed: ``s``, the state leaving chunk ``x``, to its sequence's final
+    state where the chunk ends one."""
+    if not packed:
+      return
+
+    @pl.when(sh.bounds[x.slot, 2] != 0)
+    def _store():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      sh.f[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref, sh.bounds[x.slot, 0]))
 
   def publish_state(s):
     """S's 16-bit copy for the products (and to HBM with ``save``)."""
@@ -462,16 +499,19 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     return x
 
   def final_state(s):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sh.f[...] = s
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref))
+    """``s`` to the row's final state (packed, :func:`leave` wrote each
+    sequence's), once every store has left."""
+    if not packed:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      sh.f[...] = s
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref))
     plgpu.wait_smem_to_gmem(0)
 
   if schedule == "one":
     def step(n, s):
       x = begin(n)
-      s = x.entry(s)
+      s = enter(x, s)
       publish_state(s)
       ks, *read = mg.products([([(sh.k.at[x.slot], sh.s)], (C, BV), None),
                                *([] if maps else x.queries())])
@@ -480,6 +520,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
       if maps:
         return x.update(s)[0]
       s, o = x.update(s, also=[x.outputs(read, scale)])
+      leave(x, s)
       x.store_output(o, o_ref, (bi, x.tokens, h, cols))
       if per_channel:
         @pl.when(n + 1 < n_chunks)
@@ -529,7 +570,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     def step(n, s_t):
       x, half = (chunk(n), None) if maps else published(n)
       plgpu.barrier_wait(sh.loaded.at[x.slot])
-      s_t = x.entry(s_t)
+      s_t = enter(x, s_t)
       s_lo = s_t.astype(x.dtype)
       # Nothing writes K's slot before the update's meeting.
       (ks_t,) = mg.products([([(s_lo, core.T(sh.k.at[x.slot]))], (BV, C),
@@ -550,6 +591,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
       (s_t,) = mg.products([x.update_transposed(s_t, delta_t)],
                            meanwhile=publish)
+      leave(x, s_t)
       plgpu.barrier_arrive(free.at[x.slot])
       return s_t
 
@@ -591,7 +633,7 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            schedule="one", channel=None, pieces=None):
+            schedule="one", channel=None, pieces=None, bounds=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -613,19 +655,35 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       the gate at each chunk's end, ``[B, HV, T / C, K]`` float32.
     pieces: :class:`Pieces` that cover the sequence, walked side by side
       from the given entry states; None: the whole sequence, one piece.
+    bounds: None, or packed sequences (B = 1, one piece):
+      :func:`sequence_bounds` of the chunks; ``initial_state`` ``[N, HV, K,
+      V]``, sequence ``chunk_seq[m]`` entering at its first chunk.
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, the state leaving each piece [B P, HV,
-    K, V] float32)``, then with ``save`` ``states [B, HV, T / C, K, V]``
-    and ``delta [B, T, HV, V]`` (or None) in v's dtype.
+    K, V] float32)`` (with ``bounds``, each sequence's ``[N, HV, K, V]``,
+    undefined for one without chunks), then with ``save`` ``states [B, HV,
+    T / C, K, V]`` and ``delta [B, T, HV, V]`` (or None) in v's dtype.
   """
   if pieces is None:
     pieces = Pieces(1, k.shape[1] // C)
   if pieces.count * pieces.length * C != k.shape[1]:
     raise ValueError(f"{pieces} do not cover T = {k.shape[1]}")
+  if bounds is not None and (k.shape[0], pieces.count) != (1, 1):
+    raise ValueError(f"packed sequences need B = 1 and one piece; got B = "
+                     f"{k.shape[0]}, {pieces}")
   return _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
                  save=save, schedule=schedule, channel=channel,
-                 pieces=pieces, maps=False)
+                 pieces=pieces, maps=False, bounds=bounds)
+
+
+def sequence_bounds(chunk_seq):
+  """int32 ``[T / C, BOUNDS]`` from ``chunk_seq [T / C]``: each chunk's
+  sequence, whether it is the sequence's first chunk, whether its last,
+  then zeros (one TMA copy per chunk, with its tiles)."""
+  starts, ends = common.sequence_bounds(chunk_seq)
+  bounds = jnp.stack([chunk_seq, starts, ends], axis=1).astype(jnp.int32)
+  return common.pad_axis(bounds, 1, BOUNDS)
 
 
 def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
@@ -666,13 +724,13 @@ def _carried(schedule, save, maps):
 
 
 def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
-            channel, pieces, maps):
+            channel, pieces, maps, bounds=None):
   """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
   initial state's columns past v's the identity's) the final states
   alone."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
-  per_channel = channel is not None
+  per_channel, packed = channel is not None, bounds is not None
   if per_channel and schedule != "one":
     raise ValueError(f"schedule {schedule!r} has only the per-head gate; "
                      f"the per-channel one runs in schedule 'one'")
@@ -698,15 +756,17 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
       q=keys, k=keys, kd=keys, v=core.smem((SLOTS, C, BV), dtype),
       t=core.smem((SLOTS, C, C), dtype), g_rows=vec, g_cols=vec,
       g_end=plgpu.SMEM((SLOTS, dk), jnp.float32), beta=vec,
+      bounds=plgpu.SMEM((SLOTS, BOUNDS), jnp.int32),
       s=core.smem((*copies, *((BV, dk) if _carried(schedule, save, maps)
                               else (dk, BV))), dtype),
       y=tile, d_hi=published,
       d_lo=published, e=tile, o=published,
       f=core.smem((BV, dk) if transposed else (dk, BV), jnp.float32),
       p=core.smem((C, C), jnp.float32),
-      loaded=plgpu.Barrier(num_arrivals=_INPUTS - maps, num_barriers=SLOTS),
+      loaded=plgpu.Barrier(num_arrivals=_INPUTS - maps + packed,
+                           num_barriers=SLOTS),
       s0=plgpu.Barrier(num_arrivals=1), p_loaded=plgpu.Barrier(num_arrivals=1))
-  scratch = [types[f] for f in _fields(per_channel, schedule, maps)]
+  scratch = [types[f] for f in _fields(per_channel, schedule, maps, packed)]
   threads = {}
   if schedule == "specialized":
     roles = _roles(maps)
@@ -718,7 +778,7 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              save=save, schedule=schedule,
                              per_channel=per_channel, pieces=pieces,
-                             maps=maps)
+                             maps=maps, packed=packed)
   rows = bsz * pieces.count
   outs = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
@@ -726,7 +786,8 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
       grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_" + ("maps" if maps else "scan"),
       **threads,
-  )(q, k, v, t, g, b, initial_state, *(channel or ()))
+  )(q, k, v, t, g, b, initial_state, *(channel or ()),
+    *(() if bounds is None else (bounds,)))
   final = outs[0 if maps else 1]
   if transposed:
     final = jnp.swapaxes(final, 2, 3)
