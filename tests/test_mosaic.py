@@ -314,6 +314,35 @@ def test_mosaic_non_finite_document_leaves_the_others_alone(gate, boundary,
                                err_msg=name)
 
 
+@pytest.mark.parametrize("per_channel", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=("gdn", "kda"))
+def test_mosaic_non_finite_sequence_leaves_the_others_alone(per_channel):
+  """cu_seqlens: a NaN in the middle one of three sequences (of 64, 70 and
+  58 tokens): the others' outputs and gradients, the other sequences'
+  final states and the cotangents of their initial states equal those of
+  clean inputs: the scan and the reverse pass select the states and
+  cotangents at the sequences' bounds, never multiply them."""
+  cu = np.array([0, 64, 134, 192])
+  x = utils.random_inputs(49, batch=1, length=192, heads=1, value_heads=2,
+                          key_dim=64, value_dim=64, per_channel=per_channel,
+                          gate_scale=0.1, state_scale=0.1, states=3)
+  v = x.v.copy()
+  v[0, 100, 1, 3] = np.nan
+  cts = utils.random_cotangents(1, x)
+  options = dict(cu_seqlens=cu)
+  clean, got = (_value_and_grads("mosaic", _args(y), cts, options=options)
+                for y in (x, x._replace(v=v)))
+  others = np.r_[0:64, 134:192]
+  for name, g in got.items():
+    c = clean[name]
+    if g.shape[:2] == (1, 192):  # per token
+      g, c = g[:, others], c[:, others]
+    else:  # per sequence
+      g, c = g[[0, 2]], c[[0, 2]]
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g, c, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.slow
 def test_mosaic_pieces_match_float64():
   """The one-warpgroup scan cut into four pieces (``Config(pieces=4)``;
