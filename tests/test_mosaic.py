@@ -330,8 +330,9 @@ def test_mosaic_non_finite_sequence_leaves_the_others_alone(per_channel):
   v[0, 100, 1, 3] = np.nan
   cts = utils.random_cotangents(1, x)
   options = dict(cu_seqlens=cu)
-  clean, got = (_value_and_grads("mosaic", _args(y), cts, options=options)
-                for y in (x, x._replace(v=v)))
+  with jax.enable_x64(True):  # the one-warpgroup path: fastest interpreted
+    clean, got = (_value_and_grads("mosaic", _args(y), cts, options=options)
+                  for y in (x, x._replace(v=v)))
   others = np.r_[0:64, 134:192]
   for name, g in got.items():
     c = clean[name]
