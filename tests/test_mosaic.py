@@ -214,7 +214,7 @@ def test_mosaic_per_channel_segment_ids_match_float64():
 
 
 @pytest.mark.parametrize("per_channel, x64", [
-    (False, True), (True, True),
+    (False, True), pytest.param(True, True, marks=pytest.mark.slow),
     pytest.param(False, False, marks=pytest.mark.slow)],
     ids=["gdn", "kda", "gdn-3wg"])
 def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
