@@ -243,6 +243,30 @@ def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
     assert kernels(dict(cu_seqlens=cu)) == kernels({})
 
 
+@pytest.mark.parametrize("per_channel, x64, pieces", [
+    (False, True, 4), (False, False, 2),
+    pytest.param(True, True, 4, marks=pytest.mark.slow)],
+    ids=["gdn-4", "gdn-3wg-2", "kda-4"])
+def test_mosaic_cu_seqlens_in_pieces_match_float64(per_channel, x64, pieces):
+  """cu_seqlens with the row in pieces walked side by side
+  (``Config(pieces=...)``, ``"auto"``'s choice where the CTAs leave most
+  multiprocessors idle, as a packed row of few heads does): sequences of
+  100, 30, 120 and 70 tokens lay out as chunks ``[0 0 1 2 2 3 3 3]`` (the
+  last one padding), so that in four pieces of two chunks a piece holds a
+  whole sequence, one starts two, one ends a sequence and starts another,
+  and one starts none and enters from the pieces' maps; in two pieces the
+  third sequence crosses the border. The map pass enters a sequence as
+  ``[0 | S0]``, the reverse pass carries zeros out of a sequence's first
+  chunk, and each sequence's states and cotangents come out of the piece
+  that holds its bounds."""
+  cu = np.array([0, 100, 130, 250, 320])
+  x = utils.random_inputs(51, batch=1, length=320, heads=1, value_heads=2,
+                          key_dim=64, value_dim=64, per_channel=per_channel,
+                          gate_scale=0.05, state_scale=0.1, states=4)
+  _check(x, x64=x64, config=mosaic.Config(pieces=pieces),
+         options=dict(cu_seqlens=cu))
+
+
 # Three documents in T = 192 (three chunks of 64), the first one chunk 0,
 # with a NaN in the middle one: name -> (the cuts' kind, the last
 # document's first token, the tokens that keep their values), as
@@ -415,21 +439,23 @@ def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
         lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("per_channel, x64", [
-    (False, False), (False, True), (True, True)],
-    ids=("gdn-3wg", "gdn", "kda"))
-def test_packed_lowers_for_the_gpu(per_channel, x64, monkeypatch):
+@pytest.mark.parametrize("per_channel, x64, pieces", [
+    (False, False, 2), (False, True, 1), (True, True, 2)],
+    ids=("gdn-3wg-2", "gdn-1", "kda-2"))
+def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch):
   """Packed sequences (``chunk_seq``) forward and backward lower for CUDA
-  on each path: the chunks' sequence bounds copied with their tiles, the
-  states loaded and stored under conditions, in the shared memory that the
-  lowering checks."""
+  on each path, whole and in pieces (the map pass entering sequences too):
+  the chunks' sequence bounds copied with their tiles, the states loaded
+  and stored under conditions, in the shared memory that the lowering
+  checks."""
   *args, _ = _compiled_inputs(monkeypatch, 256, 1, 2, 128, per_channel)
   states = jax.ShapeDtypeStruct((3, 2, 128, 128), jnp.float32)
   chunk_seq = jax.ShapeDtypeStruct((4,), jnp.int32)
 
   def loss(*x):
     o, final = mosaic.gated_delta_mosaic(*x[:6], None, x[6], scale=0.1,
-                                         chunk_size=64)
+                                         chunk_size=64,
+                                         config=mosaic.Config(pieces=pieces))
     return o.astype(jnp.float32).sum() + final.sum()
 
   with jax.enable_x64(x64):

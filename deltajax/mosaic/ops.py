@@ -56,13 +56,15 @@ the reverse pass walks every piece (:func:`_reverse_in_pieces`).
 Cuts (``segment_ids``) are folded into the gate, a full forget at every
 cut token (:func:`cut_into_gate`): the same kernels, the same work, the
 decays across a cut 0 in float32. Packed sequences (``cu_seqlens``:
-``chunk_seq``, each sequence's chunks in a row of their own, with its own
-initial and final state) run in one piece: the scan takes each chunk's
-sequence bounds (:func:`scan.sequence_bounds`) with its tiles, enters a
-sequence's first chunk from its initial state and writes the state leaving
-its last chunk; the reverse pass does the transpose (the final state's
-cotangent entering the last chunk, the initial state's leaving the
-first). Every other stage works per chunk, as unpacked.
+``chunk_seq``, each sequence's chunks in a run of their own, with its own
+initial and final state): the scan takes each chunk's sequence bounds
+(:func:`scan.sequence_bounds`) with its tiles, enters a sequence's first
+chunk from its initial state and writes the state leaving its last chunk;
+the reverse pass does the transpose (the final state's cotangent entering
+the last chunk, the initial state's leaving the first). The row may run
+in pieces as any other: a map pass enters a sequence as ``[0 | S0]``, so
+that a piece's map forgets what came before it. Every other stage works
+per chunk, as unpacked.
 
 Gated DeltaNet-2 (``b = (erase, write)``) runs on the per-channel kernels:
 the read keys ``kr = erase * k`` and the values ``write * v``, beta 1
@@ -156,8 +158,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
     cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
       into a (:func:`cut_into_gate`).
-    chunk_seq: None or int32 ``[T / 64]`` (B = 1): packed sequences, run
-      in one piece.
+    chunk_seq: None or int32 ``[T / 64]`` (B = 1): packed sequences.
     scale: Python float multiplying q.
     chunk_size: 64.
     config: :class:`Config` (None: the defaults).
@@ -191,7 +192,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if cut is not None:
     a = cut_into_gate(a, cut)
   n_chunks = -(-q.shape[1] // CHUNK)
-  pieces = 1 if chunk_seq is not None else config.pieces
+  pieces = config.pieces
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
                              n_chunks)
@@ -296,18 +297,20 @@ def _per_channel_inputs(scale, q, k, kr, a, b, *, keep_g):
 
 
 def _entry_states(mg, k, v, t, g, beta, initial_state, *, pieces, mapped,
-                  schedule, channel):
+                  schedule, channel, sequences):
   """The state entering each of ``pieces`` equal runs of chunks of every
-  sequence, ``[B pieces, HV, K, V]``: the initial state carried through
-  the maps of the runs before it; and the maps ``M`` of the first
-  ``mapped`` runs (``pieces - 1``, or all for the backward), ``[mapped, B,
-  HV, K, K]``."""
+  row, ``[B pieces, HV, K, V]``: the initial state carried through the
+  maps of the runs before it; and the maps ``M`` of the first ``mapped``
+  runs (``pieces - 1``, or all for the backward), ``[mapped, B, HV, K,
+  K]``. ``sequences``: packed sequences' ``bounds`` and ``initials``
+  (:func:`scan.piece_maps`), or {}."""
   bsz = k.shape[0]
   length = k.shape[1] // CHUNK // pieces
   m, e = (jnp.moveaxis(x.reshape(bsz, mapped, *x.shape[1:]), 1, 0)
           for x in scan.piece_maps(mg, k, v, t, g, beta,
                                    pieces=scan.Pieces(mapped, length),
-                                   schedule=schedule, channel=channel))
+                                   schedule=schedule, channel=channel,
+                                   **sequences))
   last, entries = common.piece_entry_states(
       initial_state, m[:pieces - 1], e[:pieces - 1])
   entries = jnp.concatenate([entries, last[None]])
@@ -343,17 +346,22 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, save):
     g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
                                  q.shape[-1], mg.interpret)
     t, channel = _inverse(mg, k, g, beta, v.shape[2]), None
+  sequences = {}
+  if chunk_seq is not None:  # the row enters from the first sequence's
+    sequences = dict(bounds=_bounds(chunk_seq), initials=s0)
+    s0 = jnp.zeros((1, *s0.shape[1:]), s0.dtype)
   maps = None
   if pieces > 1:
     s0, maps = _entry_states(mg, k, vp, t, g, beta, s0, pieces=pieces,
                              mapped=pieces if save else pieces - 1,
-                             schedule=schedule, channel=channel)
+                             schedule=schedule, channel=channel,
+                             sequences=sequences)
   o, final, *saved = scan.forward(
       mg, q, k, vp, t, g, beta, s0, scale=scale, save=save,
       schedule=schedule, channel=channel,
-      pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces),
-      bounds=_bounds(chunk_seq))
-  final = final[pieces - 1::pieces]  # the last piece's
+      pieces=scan.Pieces(pieces, k.shape[1] // CHUNK // pieces), **sequences)
+  if chunk_seq is None:
+    final = final[pieces - 1::pieces]  # the last piece's
   outputs = o[..., :n_v], final[..., :n_k, :n_v]
   if not save:
     return outputs, None
@@ -423,23 +431,31 @@ def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
   :func:`reverse.specialized` where W is left to it (w None: it forms W
   from t and beta b, dDelta_local too, and writes no dDelta). With
   ``maps`` (of the forward's pieces but the first, ``[P - 1, B, HV, K,
-  K]``), in those pieces (:func:`_reverse_in_pieces`); with ``chunk_seq``,
-  from each packed sequence's final state's cotangent ``d_final [N, HV, K,
-  V]``."""
-  bounds = dict(bounds=_bounds(chunk_seq))  # one piece where packed
+  K]``), in those pieces (:func:`_reverse_in_pieces`). With ``chunk_seq``,
+  ``d_final [N, HV, K, V]`` holds the packed sequences' final states'
+  cotangents, each entering at its sequence's last chunk (the row's exit
+  cotangent is zero), and the initial states' come back."""
+  sequences = {}
+  if chunk_seq is not None:
+    sequences = dict(bounds=_bounds(chunk_seq), d_finals=d_final)
+    d_final = jnp.zeros((1, *d_final.shape[1:]), d_final.dtype)
   if w is None:
     run = functools.partial(reverse.specialized, mg, q, k, t, g, b, d_o,
-                            scale=scale, **bounds)
+                            scale=scale, **sequences)
   else:
     if decayed is not None:
       q, k = decayed
       g = mark_forgets(g, a)
     run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
                             d_delta_local, scale=scale,
-                            per_channel=decayed is not None, **bounds)
+                            per_channel=decayed is not None, **sequences)
   if maps is None:
     return run(d_final)
-  return _reverse_in_pieces(run, d_final, maps, q.shape[1] // CHUNK)
+  d_delta, d_next, d_initial = _reverse_in_pieces(run, d_final, maps,
+                                                  q.shape[1] // CHUNK)
+  if chunk_seq is None:  # the first piece's
+    d_initial = d_initial[::maps.shape[0] + 1]
+  return d_delta, d_next, d_initial
 
 
 def _reverse_in_pieces(run, d_final, maps, n_chunks):
@@ -447,7 +463,7 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
   local pass gives each piece but the first its own share of its entry
   state's cotangent ``D``; carried back from the last piece, the cotangent
   leaving piece ``p - 1`` is ``M_p^T (that leaving p) + D_p``; then each
-  piece runs from the cotangent leaving it."""
+  piece runs from the cotangent leaving it (``run``'s outputs)."""
   count, bsz = maps.shape[0] + 1, d_final.shape[0]
   length = n_chunks // count
   local = run(jnp.zeros((bsz * (count - 1), *d_final.shape[1:]),
@@ -458,10 +474,8 @@ def _reverse_in_pieces(run, d_final, maps, n_chunks):
   first, later = common.piece_entry_states(
       d_final, jnp.swapaxes(maps, -1, -2)[::-1], by_piece(local)[::-1])
   exits = jnp.concatenate([first[None], later[::-1]])
-  d_delta, d_next, d_initial = run(
-      jnp.moveaxis(exits, 0, 1).reshape(-1, *d_final.shape[1:]),
-      pieces=scan.Pieces(count, length))
-  return d_delta, d_next, d_initial[::count]
+  return run(jnp.moveaxis(exits, 0, 1).reshape(-1, *d_final.shape[1:]),
+             pieces=scan.Pieces(count, length))
 
 
 def _ut(mg, *, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,

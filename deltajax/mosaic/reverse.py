@@ -107,7 +107,10 @@ def _exit_cotangent(mg, sh, slot, ds, final_at):
 def _store_entry_cotangent(sh, slot, ds, initial_at):
   """Packed (``sh.bounds``): ``ds``, the cotangent of the state entering
   the chunk in ``slot``, to its sequence's initial state's
-  (``initial_at(seq)``) where the chunk starts one."""
+  (``initial_at(seq)``, a GMEM ref) where the chunk starts one. What the
+  walk carries on from there is never read: the chunk before is another
+  sequence's last, which takes its own (:func:`_exit_cotangent`), in a
+  piece's walk as in the composition of the pieces' cotangents."""
   if sh.bounds is None:
     return
 
@@ -119,21 +122,25 @@ def _store_entry_cotangent(sh, slot, ds, initial_at):
     plgpu.copy_smem_to_gmem(sh.f, initial_at(sh.bounds[slot, 0]))
 
 
-def _outputs(refs, local, deltas=True):
-  """``(d_delta_ref, d_next_ref, d_initial_ref, scratch)`` (a ``local``
-  pass has only d_initial; without ``deltas`` (:func:`specialized`'s), no
-  d_delta)."""
+def _outputs(refs, local, deltas=True, packed=False):
+  """``(d_delta_ref, d_next_ref, d_initial_ref, d_initials_ref, scratch)``
+  (a ``local`` pass has only d_initial; without ``deltas``
+  (:func:`specialized`'s), no d_delta; d_initials, the sequences', only
+  ``packed``)."""
   if local:
-    return None, None, refs[0], refs[1:]
+    return None, None, refs[0], None, refs[1:]
+  outs = refs[:2 + deltas + packed]
   if not deltas:
-    return (None, *refs[:2], refs[2:])
-  return (*refs[:3], refs[3:])
+    outs = [None, *outs]
+  return (*outs, *([] if packed else [None]), refs[2 + deltas + packed:])
 
 
 def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
           groups, scale, per_channel, pieces, local, packed):
-  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
-  d_delta_ref, d_next_ref, d_initial_ref, scratch = _outputs(refs, local)
+  bounds_ref, dfinals_ref, refs = ((*refs[:2], refs[2:]) if packed
+                                   else (None, None, refs))
+  d_delta_ref, d_next_ref, d_initial_ref, d_initials_ref, scratch = (
+      _outputs(refs, local, packed=packed))
   sh = _Shared(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
@@ -190,7 +197,8 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
 
   def step(i, ds):
     n, slot, tokens = begin(i)
-    ds = _exit_cotangent(mg, sh, slot, ds, lambda m: state_at(dfinal_ref, m))
+    ds = _exit_cotangent(mg, sh, slot, ds,
+                         lambda m: state_at(dfinals_ref, m))
     sh.ds[...] = ds.astype(sh.ds.dtype)
     if per_channel:  # q and k come decayed
       on_kds, reads = 1.0, sh.d_o.at[slot]
@@ -214,8 +222,9 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
     ds = entry(slot, unit * mg.mm([(core.T(sh.q.at[slot]), reads),
                                    (core.T(sh.w.at[slot]), sh.neg)], ds.shape,
                                   decay(slot, ds) / unit))
-    _store_entry_cotangent(sh, slot, ds,
-                           lambda m: state_at(d_initial_ref, m))
+    if not local:
+      _store_entry_cotangent(sh, slot, ds,
+                             lambda m: state_at(d_initials_ref, m))
     return ds
 
   def entry(slot, ds):
@@ -225,18 +234,16 @@ def _body(mg, q_ref, k_ref, w_ref, g_ref, do_ref, dd_ref, dfinal_ref, *refs,
       return scan.forgets(mg, ds, g_end=mg.load(sh.g.at[slot], ROWS))
     return scan.forgets(mg, ds, g_first=sh.g[slot, 0])
 
-  # This CTA's columns of dS of state m: its row's, or packed, a sequence's
-  # (the last chunk takes its own on entry).
+  # This CTA's columns of dS of state m.
   state_at = lambda ref, m=row: ref.at[m, h, :, cols]
   plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
   issue(n_chunks - 1, 0)
   plgpu.barrier_wait(sh.final)
   ds = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
-  if not packed:  # else each sequence's first chunk stored its own
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sh.f[...] = ds
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  sh.f[...] = ds
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -264,9 +271,10 @@ class _Formed(NamedTuple):
 
 def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
                       dfinal_ref, *refs, groups, scale, pieces, local, packed):
-  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
-  _, d_next_ref, d_initial_ref, scratch = _outputs(refs, local,
-                                                   deltas=False)
+  bounds_ref, dfinals_ref, refs = ((*refs[:2], refs[2:]) if packed
+                                   else (None, None, refs))
+  _, d_next_ref, d_initial_ref, d_initials_ref, scratch = _outputs(
+      refs, local, deltas=False, packed=packed)
   sh = _Formed(*scratch)
   row, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
   (bi, first), n_chunks = pieces.rows(row), pieces.length
@@ -337,7 +345,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
     mg.set_max_registers(232, action="increase")
     tile = (BV, C)
     per_column = lambda x: lax.broadcast_in_dim(x, tile, [1])
-    # dS^T of state m's columns: its row's, or packed, a sequence's.
+    # dS^T of state m's columns.
     state_at = lambda ref, m=row: ref.at[m, h, cols]
 
     def step(i, ds_t):
@@ -345,7 +353,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
       plgpu.barrier_wait(sh.loaded.at[slot])
       plgpu.barrier_wait(sh.formed.at[slot])
       ds_t = _exit_cotangent(mg, sh, slot, ds_t,
-                             lambda m: state_at(dfinal_ref, m))
+                             lambda m: state_at(dfinals_ref, m))
       g, g_end = mg.load(sh.g.at[slot], COLS), sh.g[slot, C - 1]
       ds_lo = ds_t.astype(dtype)
       d_o_t = mg.load(core.T(sh.d_o.at[slot]), WGMMA)
@@ -369,19 +377,19 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
             jnp.exp(g_end) * ds_t)], meanwhile=stores)
       # Zero where the chunk's first token is a full forget: selected.
       ds_t = scan.forgets(mg, ds_t, g_first=sh.g[slot, 0])
-      _store_entry_cotangent(sh, slot, ds_t,
-                             lambda m: state_at(d_initial_ref, m))
+      if not local:
+        _store_entry_cotangent(sh, slot, ds_t,
+                               lambda m: state_at(d_initials_ref, m))
       plgpu.barrier_arrive(sh.free.at[slot])
       return ds_t
 
     plgpu.copy_gmem_to_smem(state_at(dfinal_ref), sh.f, sh.final)
     plgpu.barrier_wait(sh.final)
     ds_t = lax.fori_loop(0, n_chunks, step, mg.load(sh.f, WGMMA))
-    if not packed:  # else each sequence's first chunk stored its own
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      sh.f[...] = ds_t
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = ds_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, state_at(d_initial_ref))
     plgpu.wait_smem_to_gmem(0)
 
   # Every warpgroup leaves together (as in scan's "specialized").
@@ -390,7 +398,7 @@ def _specialized_body(mg, q_ref, k_ref, t_ref, g_ref, b_ref, do_ref,
 
 
 def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
-                local=False, bounds=None):
+                local=False, bounds=None, d_finals=None):
   """The per-head reverse pass of the three-warpgroup scan, carrying
   ``dS^T`` and forming W and dDelta_local itself.
 
@@ -403,7 +411,7 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
     d_final: ``[B P, HV, K, V]`` float32, the cotangent of each piece's
       exit state.
     scale: Python float multiplying q.
-    pieces, local, bounds: as for :func:`backward`.
+    pieces, local, bounds, d_finals: as for :func:`backward`.
 
   Returns:
     ``(None, d_next, d_initial)`` as :func:`backward` returns them, with no
@@ -412,10 +420,12 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
-  dtype, packed = k.dtype, bounds is not None
-  pieces = _whole(pieces, t_len, bounds)
+  dtype, packed = k.dtype, _packed(k, bounds, d_finals)
+  pieces = _whole(pieces, t_len)
+  transposed = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
+  d_finals = transposed(d_finals)
   out_type = _out_type(None, dtype, (bsz, heads, t_len // C, dk, dv),
-                       (d_final.shape[0], heads, dv, dk), local)
+                       (d_final.shape[0], heads, dv, dk), local, d_finals)
   keys = core.smem((SLOTS, C, dk), dtype)
   square = core.smem((SLOTS, C, C), dtype)
   vec = plgpu.SMEM((SLOTS, C), jnp.float32)
@@ -431,24 +441,33 @@ def specialized(mg, q, k, t, g, b, d_o, d_final, *, scale, pieces=None,
   body = lambda *refs: _specialized_body(mg, *refs, groups=heads // h,
                                          scale=scale, pieces=pieces,
                                          local=local, packed=packed)
-  *outs, d_initial = mg.kernel(
+  outs = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       num_threads=3, thread_name="wg",
       kernel_name="deltajax_mosaic_reverse_specialized",
-  )(q, k, t, g, b, d_o, jnp.swapaxes(d_final, 2, 3), *_bounds_input(bounds))
-  d_initial = jnp.swapaxes(d_initial, 2, 3)
+  )(q, k, t, g, b, d_o, transposed(d_final),
+    *_packed_inputs(bounds, d_finals))
+  *outs, d_initial = _initial_cotangents(outs, local, packed)
+  d_initial = transposed(d_initial)
   if local:
     return d_initial
   return (None, *outs, d_initial)
 
 
-def _whole(pieces, t_len, bounds):
-  """``pieces``, or None: the whole sequence, one piece (the only one with
-  packed sequences' ``bounds``)."""
-  if bounds is not None and pieces is not None:
-    raise ValueError(f"packed sequences run in one piece; got {pieces}")
+def _whole(pieces, t_len):
+  """``pieces``, or None: the whole sequence, one piece."""
   return scan.Pieces(1, t_len // C) if pieces is None else pieces
+
+
+def _packed(k, bounds, d_finals):
+  """Whether the pass is of packed sequences (their bounds and final
+  cotangents come together, B = 1)."""
+  if (bounds is None) != (d_finals is None):
+    raise ValueError("packed sequences need both bounds and d_finals")
+  if bounds is not None and k.shape[0] != 1:
+    raise ValueError(f"packed sequences need B = 1; got {k.shape[0]}")
+  return bounds is not None
 
 
 def _bounds_scratch(bounds):
@@ -456,24 +475,37 @@ def _bounds_scratch(bounds):
   return [] if bounds is None else [plgpu.SMEM((SLOTS, BOUNDS), jnp.int32)]
 
 
-def _bounds_input(bounds):
-  """The kernel's inputs after d_final: ``bounds``, where packed."""
-  return () if bounds is None else (bounds,)
+def _packed_inputs(bounds, d_finals):
+  """The kernel's inputs after d_final: packed, the bounds and the
+  sequences' final cotangents."""
+  return () if bounds is None else (bounds, d_finals)
 
 
-def _out_type(d_delta, dtype, d_next, d_initial, local):
+def _out_type(d_delta, dtype, d_next, d_initial, local, d_finals=None):
   """The reverse pass's output types from their shapes: dDelta (where its
   shape is not None) and ``d_next`` (not in a ``local`` pass) in
-  ``dtype``, ``d_initial`` float32."""
+  ``dtype``, ``d_initial`` float32, and packed (``d_finals``, not local)
+  the sequences' initial cotangents, float32 as ``d_finals``."""
   initial = jax.ShapeDtypeStruct(d_initial, jnp.float32)
   if local:
     return [initial]
   deltas = [] if d_delta is None else [jax.ShapeDtypeStruct(d_delta, dtype)]
-  return [*deltas, jax.ShapeDtypeStruct(d_next, dtype), initial]
+  sequences = [] if d_finals is None else [
+      jax.ShapeDtypeStruct(d_finals.shape, jnp.float32)]
+  return [*deltas, jax.ShapeDtypeStruct(d_next, dtype), initial, *sequences]
+
+
+def _initial_cotangents(outs, local, packed):
+  """The kernel's outputs with the initial cotangents the caller takes
+  last: packed (not local), the sequences' in place of the pieces'."""
+  if packed and not local:
+    return (*outs[:-2], outs[-1])
+  return outs
 
 
 def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
-             per_channel=False, pieces=None, local=False, bounds=None):
+             per_channel=False, pieces=None, local=False, bounds=None,
+             d_finals=None):
   """The state's cotangent at every chunk, and dDelta.
 
   Args:
@@ -494,22 +526,25 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
       state's cotangent; None: the whole sequence, one piece.
     local: write nothing but ``d_initial`` (a piece's own share of its
       entry state's cotangent, from a zero ``d_final``).
-    bounds: None, or packed sequences (B = 1, one piece, not ``local``):
-      :func:`scan.sequence_bounds` of the chunks; ``d_final`` and
-      ``d_initial`` are then the sequences', ``[N, HV, K, V]``.
+    bounds, d_finals: None, or packed sequences (B = 1):
+      :func:`scan.sequence_bounds` of the chunks and the cotangents of the
+      sequences' final states ``[N, HV, K, V]`` float32: each enters the
+      walk at its sequence's last chunk, and the cotangent leaving a
+      sequence's first chunk is its initial state's (zeros carry on).
 
   Returns:
     ``(d_delta [B, T, HV, V], d_next [B, HV, T / C, K, V] (the cotangent of
     each chunk's exit state), both in k's dtype, d_initial [B P, HV, K, V]
-    float32 (of each piece's entry state))``, or with ``local``
-    ``d_initial``.
+    float32 (of each piece's entry state; packed, of each sequence's
+    initial state, [N, HV, K, V]))``, or with ``local`` ``d_initial`` (the
+    pieces').
   """
   bsz, t_len, h, dk = k.shape
   heads, dv = d_o.shape[2:]
-  dtype, packed = k.dtype, bounds is not None
-  pieces = _whole(pieces, t_len, bounds)
+  dtype, packed = k.dtype, _packed(k, bounds, d_finals)
+  pieces = _whole(pieces, t_len)
   out_type = _out_type(d_o.shape, dtype, (bsz, heads, t_len // C, dk, dv),
-                       d_final.shape, local)
+                       d_final.shape, local, d_finals)
   keys = core.smem((SLOTS, C, dk), dtype)
   tile = core.smem((C, BV), dtype)
   scratch = [keys, keys, keys,
@@ -523,9 +558,11 @@ def backward(mg, q, k, w, g, d_o, d_delta_local, d_final, *, scale,
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              per_channel=per_channel, pieces=pieces,
                              local=local, packed=packed)
-  *outs, d_initial = mg.kernel(
+  outs = mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz * pieces.count, heads, dv // BV), grid_names=("b", "h", "v"),
       kernel_name="deltajax_mosaic_reverse",
-  )(q, k, w, g, d_o, d_delta_local, d_final, *_bounds_input(bounds))
+  )(q, k, w, g, d_o, d_delta_local, d_final,
+    *_packed_inputs(bounds, d_finals))
+  *outs, d_initial = _initial_cotangents(outs, local, packed)
   return d_initial if local else (*outs, d_initial)

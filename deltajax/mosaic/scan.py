@@ -392,8 +392,11 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
           scale, save, schedule, per_channel, pieces, maps, packed):
   kd_ref, p_ref = refs[:2] if per_channel else (None, None)
   refs = refs[2:] if per_channel else refs
-  bounds_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
+  bounds_ref, initials_ref, refs = ((*refs[:2], refs[2:]) if packed
+                                    else (None, None, refs))
   o_ref, final_ref, *refs = (None, *refs) if maps else refs
+  finals_ref, refs = ((refs[0], refs[1:]) if packed and not maps
+                      else (None, refs))
   deltas = _saves_deltas(schedule)
   saved = (1 + deltas) if save else 0
   states_ref, delta_ref = (*refs[:saved], None, None)[:2]
@@ -438,39 +441,44 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
                   values, carried)
 
   transposed = schedule != "one"  # carrying S^T
-  # This CTA's columns of state ``n`` (rows of the transposed one): its
-  # row's, or packed, a sequence's.
-  state_at = lambda ref, n=row: ref.at[n, h, state_cols] if transposed else (
-      ref.at[n, h, :, state_cols])
+  # Columns ``c`` of state ``n`` of ``ref`` (rows of a transposed one).
+  columns = lambda ref, n, c: ref.at[n, h, c] if transposed else (
+      ref.at[n, h, :, c])
 
-  def initial_state(n=row):
-    plgpu.copy_gmem_to_smem(state_at(s0_ref, n), sh.f, sh.s0)
+  def load_state(src):
+    """The state tile ``src`` (GMEM) through ``sh.f``, once sh.f's last
+    store has left."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.copy_gmem_to_smem(src, sh.f, sh.s0)
     plgpu.barrier_wait(sh.s0)
     return mg.load(sh.f, WGMMA)
 
+  def store_state(s, dst):
+    """``s`` to the state tile ``dst`` (GMEM) through ``sh.f``."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sh.f[...] = s
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sh.f, dst)
+
   def enter(x, s):
     """The state entering chunk ``x`` from ``s``, the one leaving the chunk
-    before: packed, its sequence's initial state where the chunk starts
-    one; zeros at a full forget (:meth:`_Chunk.entry`)."""
+    before: packed, where the chunk starts a sequence, that sequence's
+    initial state (a map pass's ``[0 | S0]``: the entry state no longer
+    counts); zeros at a full forget (:meth:`_Chunk.entry`)."""
     if packed:
-      def initial():  # once sh.f's last final state has left
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return initial_state(sh.bounds[x.slot, 0])
+      def initial():
+        s0 = load_state(columns(initials_ref, sh.bounds[x.slot, 0], cols))
+        return s0 if values is None else values * s0
       s = lax.cond(sh.bounds[x.slot, 1] != 0, initial, lambda: s)
     return x.entry(s)
 
   def leave(x, s):
-    """Packed: ``s``, the state leaving chunk ``x``, to its sequence's final
-    state where the chunk ends one."""
-    if not packed:
-      return
-
-    @pl.when(sh.bounds[x.slot, 2] != 0)
-    def _store():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      sh.f[...] = s
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref, sh.bounds[x.slot, 0]))
+    """Packed (not in a map pass): ``s``, the state leaving chunk ``x``, to
+    its sequence's final state where the chunk ends one."""
+    if finals_ref is not None:
+      @pl.when(sh.bounds[x.slot, 2] != 0)
+      def _store():
+        store_state(s, columns(finals_ref, sh.bounds[x.slot, 0], cols))
 
   def publish_state(s):
     """S's 16-bit copy for the products (and to HBM with ``save``)."""
@@ -498,14 +506,12 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     return x
 
+  def initial_state():
+    return load_state(columns(s0_ref, row, state_cols))
+
   def final_state(s):
-    """``s`` to the row's final state (packed, :func:`leave` wrote each
-    sequence's), once every store has left."""
-    if not packed:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      sh.f[...] = s
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(sh.f, state_at(final_ref))
+    """``s`` to the row's final state, once every store has left."""
+    store_state(s, columns(final_ref, row, state_cols))
     plgpu.wait_smem_to_gmem(0)
 
   if schedule == "one":
@@ -633,7 +639,8 @@ def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
 
 
 def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
-            schedule="one", channel=None, pieces=None, bounds=None):
+            schedule="one", channel=None, pieces=None, bounds=None,
+            initials=None):
   """The outputs and final state (and with ``save`` the backward's inputs).
 
   Args:
@@ -655,26 +662,38 @@ def forward(mg, q, k, v, t, g, b, initial_state, *, scale, save,
       the gate at each chunk's end, ``[B, HV, T / C, K]`` float32.
     pieces: :class:`Pieces` that cover the sequence, walked side by side
       from the given entry states; None: the whole sequence, one piece.
-    bounds: None, or packed sequences (B = 1, one piece):
-      :func:`sequence_bounds` of the chunks; ``initial_state`` ``[N, HV, K,
-      V]``, sequence ``chunk_seq[m]`` entering at its first chunk.
+    bounds, initials: None, or packed sequences (B = 1):
+      :func:`sequence_bounds` of the chunks and the sequences' initial
+      states ``[N, HV, K, V]`` float32; a sequence's first chunk enters
+      from its own (whatever the piece's entry state).
 
   Returns:
     ``(o [B, T, HV, V] in v's dtype, the state leaving each piece [B P, HV,
-    K, V] float32)`` (with ``bounds``, each sequence's ``[N, HV, K, V]``,
-    undefined for one without chunks), then with ``save`` ``states [B, HV,
-    T / C, K, V]`` and ``delta [B, T, HV, V]`` (or None) in v's dtype.
+    K, V] float32)`` (packed, each sequence's final state ``[N, HV, K,
+    V]``, undefined for one without chunks), then with ``save`` ``states
+    [B, HV, T / C, K, V]`` and ``delta [B, T, HV, V]`` (or None) in v's
+    dtype.
   """
   if pieces is None:
     pieces = Pieces(1, k.shape[1] // C)
   if pieces.count * pieces.length * C != k.shape[1]:
     raise ValueError(f"{pieces} do not cover T = {k.shape[1]}")
-  if bounds is not None and (k.shape[0], pieces.count) != (1, 1):
-    raise ValueError(f"packed sequences need B = 1 and one piece; got B = "
-                     f"{k.shape[0]}, {pieces}")
-  return _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
-                 save=save, schedule=schedule, channel=channel,
-                 pieces=pieces, maps=False, bounds=bounds)
+  _check_packed(k, bounds, initials)
+  o, final, *rest = _launch(mg, q, k, v, t, g, b, initial_state, scale=scale,
+                            save=save, schedule=schedule, channel=channel,
+                            pieces=pieces, maps=False, bounds=bounds,
+                            initials=initials)
+  if bounds is not None:  # the sequences' final states, not the pieces'
+    final, *rest = rest
+  return (o, final, *rest)
+
+
+def _check_packed(k, bounds, initials):
+  """Packed sequences come as bounds and initial states together, B = 1."""
+  if (bounds is None) != (initials is None):
+    raise ValueError("packed sequences need both bounds and initials")
+  if bounds is not None and k.shape[0] != 1:
+    raise ValueError(f"packed sequences need B = 1; got {k.shape[0]}")
 
 
 def sequence_bounds(chunk_seq):
@@ -686,7 +705,8 @@ def sequence_bounds(chunk_seq):
   return common.pad_axis(bounds, 1, BOUNDS)
 
 
-def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
+def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None,
+               bounds=None, initials=None):
   """Each piece's affine map from its entry state to its exit state, ``S ->
   M S + E``: the scan from ``[I | 0]`` on ``[0 | v]`` (its columns are
   independent), with no output.
@@ -696,6 +716,9 @@ def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
     pieces: :class:`Pieces`, the runs of chunks to map (from the first).
     channel: per channel, ``(kd, p)`` as for :func:`forward` (P is not
       read); ``k`` is then ``K e^g``.
+    bounds, initials: packed sequences, as for :func:`forward`: where a
+      sequence starts, the map pass's state becomes ``[0 | S0]`` (its
+      initial state S0), so that ``M`` is 0 past it and ``E`` carries S0.
 
   Returns:
     ``(M [B P, HV, K, K], E [B P, HV, K, V])`` float32.
@@ -705,9 +728,10 @@ def piece_maps(mg, k, v, t, g, b, *, pieces, schedule="one", channel=None):
   start = jnp.concatenate([jnp.eye(dk, dtype=jnp.float32),
                            jnp.zeros((dk, dv), jnp.float32)], axis=1)
   start = jnp.broadcast_to(start, (bsz * pieces.count, heads, dk, dk + dv))
+  _check_packed(k, bounds, initials)
   (maps,) = _launch(mg, k, k, v, t, g, b, start, scale=1.0, save=False,
                     schedule=schedule, channel=channel, pieces=pieces,
-                    maps=True)
+                    maps=True, bounds=bounds, initials=initials)
   return maps[..., :dk], maps[..., dk:]
 
 
@@ -724,9 +748,10 @@ def _carried(schedule, save, maps):
 
 
 def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
-            channel, pieces, maps, bounds=None):
-  """The scan kernel: :func:`forward`'s outputs, or with ``maps`` (the
-  initial state's columns past v's the identity's) the final states
+            channel, pieces, maps, bounds=None, initials=None):
+  """The scan kernel: ``(o, the pieces' final states, [packed: the
+  sequences' final states], *saved)``, or with ``maps`` (the initial
+  state's columns past v's the identity's) the pieces' final states
   alone."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
@@ -739,10 +764,13 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
   dtype = v.dtype
   transposed = schedule != "one"
   if transposed:  # the kernel carries S^T: [B, HV, V, K] in and out
-    initial_state = jnp.swapaxes(initial_state, 2, 3)
+    initial_state, initials = (None if x is None else jnp.swapaxes(x, 2, 3)
+                               for x in (initial_state, initials))
   out_type = [jax.ShapeDtypeStruct(initial_state.shape, jnp.float32)]
   if not maps:
     out_type.insert(0, jax.ShapeDtypeStruct(v.shape, dtype))
+    if packed:
+      out_type.append(jax.ShapeDtypeStruct(initials.shape, jnp.float32))
   deltas = _saves_deltas(schedule)
   if save:
     out_type += [jax.ShapeDtypeStruct((bsz, heads, t_len // C, dk, dv), dtype),
@@ -787,10 +815,13 @@ def _launch(mg, q, k, v, t, g, b, initial_state, *, scale, save, schedule,
       kernel_name="deltajax_mosaic_" + ("maps" if maps else "scan"),
       **threads,
   )(q, k, v, t, g, b, initial_state, *(channel or ()),
-    *(() if bounds is None else (bounds,)))
-  final = outs[0 if maps else 1]
+    *(() if bounds is None else (bounds, initials)))
+  o, *outs = (None, *outs) if maps else outs
+  # The pieces' final states (and packed, the sequences'), then the saves.
+  count = 2 if packed and not maps else 1
+  finals, saved = outs[:count], outs[count:]
   if transposed:
-    final = jnp.swapaxes(final, 2, 3)
+    finals = [jnp.swapaxes(x, 2, 3) for x in finals]
   if maps:
-    return (final,)
-  return (outs[0], final, *outs[2:], *([None] if save and not deltas else []))
+    return tuple(finals)
+  return (o, *finals, *saved, *([None] if save and not deltas else []))
