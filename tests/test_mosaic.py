@@ -463,10 +463,28 @@ def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch):
         *args, states, chunk_seq).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=("rows", "cu_seqlens"))
+def test_automatic_pieces_pad_the_chunks(packed, monkeypatch):
+  """Automatic pieces that do not divide the chunks (two, of the three
+  chunks of T = 130 or the seven of cu_seqlens' layout of sequences of 1,
+  0, 63, 64 and 65 tokens) pad them with chunks that leave the state as
+  it is (a = 0, beta 0; packed, the last sequence's), against float64."""
+  monkeypatch.setattr(ops, "_default_pieces", lambda ctas, n_chunks: 2)
+  if packed:
+    cu = np.cumsum([0, 1, 0, 63, 64, 65])
+    x = utils.random_inputs(53, batch=1, length=int(cu[-1]), heads=1,
+                            key_dim=64, value_dim=64, gate_scale=0.1,
+                            state_scale=0.1, states=5)
+    _check(x, options=dict(cu_seqlens=cu))
+  else:
+    _check(utils.random_inputs(53, batch=1, length=130, heads=1, key_dim=64,
+                               value_dim=64, gate_scale=0.1, state_scale=0.1))
+
+
 def test_default_pieces(monkeypatch):
   """One piece unless the scan's CTAs fill at most half of the
-  multiprocessors; then the largest power of two that fits, divides the
-  chunks and leaves 16 chunks a piece at least (off the GPU, one)."""
+  multiprocessors; then the largest power of two that fits and leaves 16
+  chunks a piece at least (off the GPU, one)."""
   assert ops._default_pieces(32, 1024) == 1  # no GPU here
   monkeypatch.setattr(ops.pallas_core, "multiprocessors", lambda: 132)
   assert ops._default_pieces(32, 1024) == 4  # (1, 65536, 16, 128)
@@ -474,7 +492,8 @@ def test_default_pieces(monkeypatch):
   assert ops._default_pieces(192, 128) == 1  # (1, 8192, 96, 128)
   assert ops._default_pieces(8, 64) == 4  # 16 chunks a piece
   assert ops._default_pieces(8, 96) == 4  # 4 x 24 chunks, not 8 x 12
-  assert ops._default_pieces(8, 95) == 1
+  assert ops._default_pieces(8, 95) == 4  # padded to 96
+  assert ops._default_pieces(8, 31) == 1
 
 
 def test_mosaic_per_channel_matches_float64():

@@ -119,10 +119,11 @@ class Config:
       pass maps each piece's entry state to its exit state,
       :func:`scan.piece_maps`; the maps are composed in order; the scan
       walks every piece from its entry state). It must divide the call's
-      number of chunks (``ceil(T / 64)``; checked by
-      :func:`gated_delta_mosaic`). None (the default): automatic,
-      :func:`_default_pieces` (one unless the scan's CTAs leave most
-      multiprocessors idle).
+      number of chunks (``ceil(T / 64)``, with ``cu_seqlens`` those of
+      the chunk-aligned layout, :func:`deltajax.common.layout_chunks`;
+      checked by :func:`gated_delta_mosaic`). None (the default):
+      automatic, :func:`_default_pieces` (one unless the scan's CTAs leave
+      most multiprocessors idle), the chunks padded to a multiple of it.
 
   Raises:
     ValueError: ``pieces`` is not None or a positive int.
@@ -170,8 +171,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   Raises:
     TypeError: ``config`` is not a :class:`Config`.
     ValueError: ``chunk_size`` is not 64, head dims above 128, q, k, v
-      not 16-bit, or ``config.pieces`` does not divide the chunks (not read
-      with chunk_seq).
+      not 16-bit, or ``config.pieces`` does not divide the chunks.
   """
   if config is None:
     config = Config()
@@ -191,14 +191,23 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   b, kr, v = stages.read_keys(b, q, k, v)
   if cut is not None:
     a = cut_into_gate(a, cut)
-  n_chunks = -(-q.shape[1] // CHUNK)
+  t_len = q.shape[1]
+  n_chunks = t_len // CHUNK
   pieces = config.pieces
   if pieces is None:
     pieces = _default_pieces(v.shape[0] * v.shape[2] * -(-v.shape[3] // 64),
                              n_chunks)
-  if n_chunks % pieces:
+    # Chunks of padding (a = 0, beta 0: the state passes as it is) make
+    # the automatic pieces divide the chunks.
+    padded = common.round_up(n_chunks, pieces) * CHUNK
+    q, k, v, a, b, kr = (None if x is None else common.pad_axis(x, 1, padded)
+                         for x in (q, k, v, a, b, kr))
+    if chunk_seq is not None:  # the last sequence's
+      chunk_seq = jnp.pad(chunk_seq, (0, padded // CHUNK - n_chunks),
+                          mode="edge")
+  elif n_chunks % pieces:
     raise ValueError(f"config.pieces = {pieces} must divide the {n_chunks} "
-                     f"chunks of T = {q.shape[1]}")
+                     f"chunks of T = {t_len}")
   o, final = _mosaic(float(scale), (_schedule(a.shape[-1] > 1), pieces),
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
@@ -207,7 +216,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if chunk_seq is not None:  # a sequence without chunks keeps its state
     final = jnp.where(stages.unvisited(chunk_seq, final.shape[0]),
                       initial_state.astype(jnp.float32), final)
-  return o.astype(v.dtype), final.astype(initial_state.dtype)
+  return o[:, :t_len].astype(v.dtype), final.astype(initial_state.dtype)
 
 
 def cut_into_gate(a, cut):
@@ -251,11 +260,11 @@ def _default_pieces(ctas, n_chunks):
   """The scan's pieces per sequence when none are asked for, given its
   ``ctas`` (B HV V / 64) and chunks: 1 unless the CTAs leave most
   multiprocessors idle; then the largest power of two up to their ratio
-  that divides the chunks and leaves pieces of 16 chunks at least."""
+  that leaves pieces of 16 chunks at least (the caller pads the chunks to
+  a multiple of it)."""
   sms = pallas_core.multiprocessors() or 0
   pieces = 1
-  while (2 * pieces * ctas <= sms and n_chunks % (2 * pieces) == 0
-         and n_chunks // (2 * pieces) >= 16):
+  while 2 * pieces * ctas <= sms and n_chunks // (2 * pieces) >= 16:
     pieces *= 2
   return pieces
 
