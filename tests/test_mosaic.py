@@ -917,6 +917,7 @@ def _lowerings(schedule):
   states = shape(1, 2, 2, 128, 128)
   decayed = lambda dk: shape(1, 128, 2, dk)
   scan_args = (keys, keys, values, chunk_t, vec, vec, f32(1, 2, 128, 128))
+  sequences = (shape(2, scan.BOUNDS, dtype=jnp.int32), f32(3, 2, 128, 128))
   forward = lambda save, pieces=None: lambda *x: scan.forward(
       mg, *x, scale=0.1, save=save, schedule=schedule, pieces=pieces)
   in_pieces = lambda local: (scan.Pieces(1, 1, start=1) if local
@@ -929,10 +930,25 @@ def _lowerings(schedule):
        (*scan_args[:-1], f32(2, 2, 128, 128))),
       (lambda *x: scan.piece_maps(mg, *x, pieces=scan.Pieces(1, 1),
                                   schedule=schedule),
-       (keys, values, chunk_t, vec, vec))]
+       (keys, values, chunk_t, vec, vec)),
+      # Packed sequences (three: their bounds and initial states) in two
+      # pieces, and the map pass entering them.
+      (lambda *x: scan.forward(mg, *x[:7], scale=0.1, save=True,
+                               schedule=schedule, pieces=scan.Pieces(2, 1),
+                               bounds=x[7], initials=x[8]),
+       (*scan_args[:-1], f32(2, 2, 128, 128), *sequences)),
+      (lambda *x: scan.piece_maps(mg, *x[:5], pieces=scan.Pieces(1, 1),
+                                  schedule=schedule, bounds=x[5],
+                                  initials=x[6]),
+       (keys, values, chunk_t, vec, vec, *sequences))]
   if schedule == "specialized":
     reverse_args = (keys, keys, chunk_t, vec, vec, values)
     return kernels + [
+        # ... and their reverse pass.
+        (lambda *x: reverse.specialized(mg, *x[:7], scale=0.1,
+                                        pieces=scan.Pieces(2, 1),
+                                        bounds=x[7], d_finals=x[8]),
+         (*reverse_args, f32(2, 2, 128, 128), *sequences)),
         # The reverse pass forming W and dDelta_local, whole and in two
         # pieces (and the second's local pass).
         (lambda *x: reverse.specialized(mg, *x, scale=0.1),
@@ -950,6 +966,11 @@ def _lowerings(schedule):
           for dk, dv in ((64, 64), (128, 128), (128, 64), (64, 128)))]
   reverse_args = (keys, keys, values, vec, values, f32(1, 128, 2, 128))
   return kernels + [
+      # The packed sequences' reverse pass in two pieces.
+      (lambda *x: reverse.backward(mg, *x[:7], scale=0.1,
+                                   pieces=scan.Pieces(2, 1), bounds=x[7],
+                                   d_finals=x[8]),
+       (*reverse_args, f32(2, 2, 128, 128), *sequences)),
       # Per channel (K = 64 and 128, the decays of the state's rows a [K]
       # vector of the row layout): the scan on Q e^g, K e^g, v, T, g at the
       # chunks' ends, beta, the state, K e^{g_C - g} and P; its map pass.

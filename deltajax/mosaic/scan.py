@@ -384,8 +384,11 @@ def forgets(mg, s, *, g_first=None, g_end=None):
   first token from one later in the chunk)."""
   del mg
   if g_end is not None:
-    return jnp.where(core.rows(g_end, s.shape) == -jnp.inf, 0.0, s)
-  return jnp.where(g_first <= common.LOG_DECAY_FLOOR, 0.0, s)
+    forget = core.rows(g_end, s.shape) == -jnp.inf
+  else:  # a whole tile: Mosaic GPU selects on no scalar condition
+    forget = lax.broadcast_in_dim(g_first <= common.LOG_DECAY_FLOOR, s.shape,
+                                  ())
+  return jnp.where(forget, 0.0, s)
 
 
 def _body(mg, q_ref, k_ref, v_ref, t_ref, g_ref, b_ref, s0_ref, *refs, groups,
