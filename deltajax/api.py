@@ -648,9 +648,8 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, state_indices=None,
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
       interpret mode off the GPU) or "auto", which is "jnp" everywhere for
-      now: the kernel has passed its CPU checks (interpret mode and its
-      Triton lowering) but has not yet been compiled and timed on a GPU, so
-      it is opt-in. "jnp" gathers a pool's B slots, steps them and
+      now: the kernel, faster on an H100 (benchmarks/RESULTS.md), is
+      opt-in until its GPU check has passed. "jnp" gathers a pool's B slots, steps them and
       scatters them back; the kernel reads and writes each row's slot in
       the pool itself, in the state's dtype. Gradients go through the jnp
       step.

@@ -138,7 +138,7 @@ def test_pallas_gradients_are_the_jnp_steps(x64, gate):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
 
 
-def test_auto_takes_jnp_until_the_kernel_is_timed_on_a_gpu():
+def test_auto_takes_jnp_until_the_kernel_passes_its_gpu_check():
   assert api._step_impl("auto") == "jnp"
 
 
