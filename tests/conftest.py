@@ -29,6 +29,18 @@ def x64():
     yield
 
 
+@pytest.fixture
+def hopper():
+  """Lowers for CUDA as for an H100, with no GPU here: JAX 0.11's Triton
+  lowering asks the device for its compute capability, which an abstract
+  device gives (JAX 0.10's asks none)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                       num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled():
   """Drops JAX's compiled executables after each test file: the whole suite

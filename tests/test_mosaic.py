@@ -420,7 +420,7 @@ def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
-def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
+def test_pieces_lower_for_the_gpu(per_channel, monkeypatch, hopper):
   """The whole forward and backward in two pieces lowers for CUDA under
   ``jax_enable_x64``: the arrays the wrappers create between the kernels
   (the map pass's identity, the local reverse pass's zero cotangent) stay
@@ -442,7 +442,7 @@ def test_pieces_lower_for_the_gpu(per_channel, monkeypatch):
 @pytest.mark.parametrize("per_channel, x64, pieces", [
     (False, False, 2), (False, True, 1), (True, True, 2)],
     ids=("gdn-3wg-2", "gdn-1", "kda-2"))
-def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch):
+def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch, hopper):
   """Packed sequences (``chunk_seq``) forward and backward lower for CUDA
   on each path, whole and in pieces (the map pass entering sequences too):
   the chunks' sequence bounds copied with their tiles, the states loaded

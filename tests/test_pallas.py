@@ -418,7 +418,7 @@ def test_pallas_kda_at_the_factoring_bound(fall, over):
 @pytest.mark.parametrize("gate", ["head", "channel", "gdn2"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, utils.slow(jnp.float32)])
 @pytest.mark.parametrize("features", ["plain", "gva_cuts_packed"])
-def test_kernels_lower_for_triton(dtype, features, gate):
+def test_kernels_lower_for_triton(dtype, features, gate, hopper):
   """Every kernel, forward and backward, lowers through Pallas' Triton
   lowering for CUDA (jax.export on abstract shapes; no GPU needed). This
   checks the Triton-side rules the interpret-mode tests cannot (block

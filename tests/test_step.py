@@ -222,7 +222,7 @@ def test_pool_kernel_matches_jnp(dtype, dims):
 
 @pytest.mark.parametrize("pooled", (False, True), ids=["dense", "pool"])
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
-def test_step_kernel_lowers_for_triton(dtype, pooled):
+def test_step_kernel_lowers_for_triton(dtype, pooled, hopper):
   """The step lowers through Pallas' Triton lowering for CUDA, on the state
   in its own dtype: a pool's slots without a gather or scatter around it."""
   bsz, h, hv, d = 4, 2, 4, 64
