@@ -198,7 +198,7 @@ def backward(stages, scale, chunk_size, config, residuals, cotangents):
   d_initial = d_initial[..., :n_k, :n_v]
   if chunk_seq is not None:
     d_initial = jnp.where(unvisited(chunk_seq, d_initial.shape[0]),
-                          d_final.astype(acc), d_initial)
+                          d_final_p[..., :n_k, :n_v], d_initial)
   return (group_sum(dq[..., :n_k], h).astype(q.dtype),
           group_sum(dk[..., :n_k], h).astype(k.dtype),
           dv[..., :n_v].astype(v.dtype), da.astype(a.dtype),
