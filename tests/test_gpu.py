@@ -330,11 +330,15 @@ def test_auto_in_pieces(per_channel):
          pieces=4)
 
 
-def _decode(impl, state, q, k, v, a, b):
-  """``(o [B, T, HV, V], state)``: :func:`deltajax.gated_delta_step` over T
-  tokens in a jitted ``lax.scan``."""
+def _decode(impl, state, tokens, state_indices=None):
+  """``(o [B, T, HV, V], state)``: :func:`deltajax.gated_delta_step` over
+  the T tokens ``(q, k, v, a, b, w)`` (``w`` None but for Gated
+  DeltaNet-2) in a jitted ``lax.scan``; ``state_indices``: ``state`` is a
+  pool."""
   def step(state, token):
-    o, state = deltajax.gated_delta_step(state, *token, impl=impl)
+    o, state = deltajax.gated_delta_step(state, *token[:5], w=token[5],
+                                         state_indices=state_indices,
+                                         impl=impl)
     return state, o
 
   @jax.jit
@@ -342,34 +346,48 @@ def _decode(impl, state, q, k, v, a, b):
     state, o = jax.lax.scan(step, state, tokens)
     return jnp.moveaxis(o, 0, 1), state
 
-  return run(state, tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, a, b)))
+  return run(state, jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), tokens))
 
 
-@pytest.mark.parametrize("gate", ("gdn", "kda"))
-@pytest.mark.parametrize("h", (16, 8), ids=("H16", "H8_HV16"))
-def test_step_kernel_matches_jnp_and_float64(gate, h):
+# The pool of the pooled cases: 8 slots for B = 4 rows, one a padding row.
+STEP_SLOTS = np.array([6, -1, 0, 3], np.int32)
+
+
+@pytest.mark.parametrize("gate", ("gdn", "kda", "gdn2"))
+@pytest.mark.parametrize("h, pooled", ((16, False), (8, True)),
+                         ids=("H16", "H8_HV16_pool"))
+def test_step_kernel_matches_jnp_and_float64(gate, h, pooled):
   """B = 4, HV = 16, K = V = 128 (benchmarks/benchmark.py's decoding step),
-  32 steps with bf16 q, k, v, float32 gates and state, some a = -inf."""
+  32 steps with bf16 q, k, v, float32 gates and state, some a = -inf; dense,
+  and on a pool of 8 slots (``state_indices``, a padding row) with grouped
+  heads."""
   x = utils.random_inputs(3 + h, batch=4, length=32, heads=h, key_dim=128,
-                          value_dim=128, per_channel=gate == "kda",
-                          state_scale=0.1, value_heads=16)
-  a = x.a.copy()
+                          value_dim=128, per_channel=gate != "gdn",
+                          state_scale=0.1, value_heads=16,
+                          states=8 if pooled else None)
+  a, b, w = x.a.copy(), x.b, None
   a[:, 5, 3] = -np.inf
+  if gate == "gdn2":
+    rng = np.random.default_rng(h)
+    b, w = rng.uniform(0, 1, x.a.shape), rng.uniform(0, 1, x.v.shape)
+  slots = jnp.asarray(STEP_SLOTS) if pooled else None
   with jax.enable_x64(True):
-    low = (jnp.asarray(x.initial_state, jnp.float32),
-           *(jnp.asarray(y, jnp.bfloat16) for y in (x.q, x.k, x.v)),
-           *(jnp.asarray(y, jnp.float32) for y in (a, x.b)))
-    ref = _decode("jnp", *(y.astype(jnp.float64) for y in low))
-    got = _decode("pallas", *low)
-    jnp_f32 = _decode("jnp", *low)
+    state = jnp.asarray(x.initial_state, jnp.float32)
+    tokens = (*(jnp.asarray(y, jnp.bfloat16) for y in (x.q, x.k, x.v)),
+              *(None if y is None else jnp.asarray(y, jnp.float32)
+                for y in (a, b, w)))
+    wide = jax.tree.map(lambda y: y.astype(jnp.float64), (state, tokens))
+    ref = _decode("jnp", *wide, slots)
+    got = _decode("pallas", state, tokens, slots)
+    jnp_f32 = _decode("jnp", state, tokens, slots)
   # The kernel's float32 state is exact to rounding (about 6e-8 on the CPU);
   # o is rounded to bf16. jnp may use TF32 products on the GPU.
   for name, bound, g, r, j in zip(("o", "s"), (TOLERANCES["o"], 1e-5), got,
                                   ref, jnp_f32):
     g, r, j = (np.asarray(y, np.float64) for y in (g, r, j))
     error, vs_jnp = (np.linalg.norm(g - y) / np.linalg.norm(y) for y in (r, j))
-    print(f"step {gate} H={h} {name}: {error:.1e} against float64, "
-          f"{vs_jnp:.1e} against jnp float32")
+    print(f"step {gate} H={h} pooled={pooled} {name}: {error:.1e} against "
+          f"float64, {vs_jnp:.1e} against jnp float32")
     assert error <= bound, (name, error)
     assert vs_jnp <= TOLERANCES[name], (name, vs_jnp)
 
