@@ -243,26 +243,29 @@ def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
     assert kernels(dict(cu_seqlens=cu)) == kernels({})
 
 
-@pytest.mark.parametrize("per_channel, x64, pieces", [
-    (False, True, 4), (False, False, 2),
-    pytest.param(True, True, 4, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("per_channel, x64, pieces, lengths", [
+    (False, True, 4, (100, 30, 120, 70)), (False, False, 2, (60, 70)),
+    pytest.param(True, True, 4, (100, 30, 120, 70), marks=pytest.mark.slow)],
     ids=["gdn-4", "gdn-3wg-2", "kda-4"])
-def test_mosaic_cu_seqlens_in_pieces_match_float64(per_channel, x64, pieces):
+def test_mosaic_cu_seqlens_in_pieces_match_float64(per_channel, x64, pieces,
+                                                   lengths):
   """cu_seqlens with the row in pieces walked side by side
   (``Config(pieces=...)``, ``"auto"``'s choice where the CTAs leave most
   multiprocessors idle, as a packed row of few heads does): sequences of
   100, 30, 120 and 70 tokens lay out as chunks ``[0 0 1 2 2 3 3 3]`` (the
   last one padding), so that in four pieces of two chunks a piece holds a
   whole sequence, one starts two, one ends a sequence and starts another,
-  and one starts none and enters from the pieces' maps; in two pieces the
-  third sequence crosses the border. The map pass enters a sequence as
-  ``[0 | S0]``, the reverse pass carries zeros out of a sequence's first
-  chunk, and each sequence's states and cotangents come out of the piece
-  that holds its bounds."""
-  cu = np.array([0, 100, 130, 250, 320])
-  x = utils.random_inputs(51, batch=1, length=320, heads=1, value_heads=2,
-                          key_dim=64, value_dim=64, per_channel=per_channel,
-                          gate_scale=0.05, state_scale=0.1, states=4)
+  and one starts none and enters from the pieces' maps; on the
+  three-warpgroup path, sequences of 60 and 70 tokens as chunks ``[0 1 1
+  1]`` in two pieces, the second sequence crossing the border. The map
+  pass enters a sequence as ``[0 | S0]``, the reverse pass carries zeros
+  out of a sequence's first chunk, and each sequence's states and
+  cotangents come out of the piece that holds its bounds."""
+  cu = np.cumsum((0, *lengths))
+  x = utils.random_inputs(51, batch=1, length=int(cu[-1]), heads=1,
+                          value_heads=2, key_dim=64, value_dim=64,
+                          per_channel=per_channel, gate_scale=0.05,
+                          state_scale=0.1, states=len(lengths))
   _check(x, x64=x64, config=mosaic.Config(pieces=pieces),
          options=dict(cu_seqlens=cu))
 
