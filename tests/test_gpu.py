@@ -1,4 +1,4 @@
-"""GPU checks of the kernels (``python -m pytest -m gpu -n 8 tests``, with
+"""GPU checks of the kernels (``python -m pytest -m gpu -n 12 tests``, with
 tests/test_gpu_fla.py: fla's grids through impl="auto").
 
 16-bit inputs, float32 gates and initial state, run as users run them

@@ -244,7 +244,8 @@ def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
 
 
 @pytest.mark.parametrize("per_channel, x64, pieces, lengths", [
-    (False, True, 4, (100, 30, 120, 70)), (False, False, 2, (60, 70)),
+    pytest.param(False, True, 4, (100, 30, 120, 70), marks=pytest.mark.slow),
+    (False, False, 2, (60, 70)),
     pytest.param(True, True, 4, (100, 30, 120, 70), marks=pytest.mark.slow)],
     ids=["gdn-4", "gdn-3wg-2", "kda-4"])
 def test_mosaic_cu_seqlens_in_pieces_match_float64(per_channel, x64, pieces,
@@ -466,7 +467,8 @@ def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch, hopper
         *args, states, chunk_seq).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=("rows", "cu_seqlens"))
+@pytest.mark.parametrize("packed", [utils.slow(False, id="rows"),
+                                    pytest.param(True, id="cu_seqlens")])
 def test_automatic_pieces_pad_the_chunks(packed, monkeypatch):
   """Automatic pieces that do not divide the chunks (two, of the three
   chunks of T = 130 or the seven of cu_seqlens' layout of sequences of 1,

@@ -310,7 +310,7 @@ def _check_contract(args, cut, chunk_seq, cts, chunk_size, tol=1e-10):
 # non-power-of-two head dims, every chunk size; the no-cut fast path once
 # with GVA (the tests above run it without).
 CONTRACT = [((2, 48, 2, 4, 20), 16, True, False),
-            ((1, 64, 1, 2, 48), 32, True, False),
+            utils.slow((1, 64, 1, 2, 48), 32, True, False),
             ((1, 128, 2, 4, 20), 64, True, False),
             ((1, 64, 1, 2, 48), 32, False, False),
             utils.slow((2, 48, 2, 4, 20), 16, True, True),
