@@ -45,7 +45,9 @@ def hopper():
 def _release_compiled():
   """Drops JAX's compiled executables after each test file: the whole suite
   in one process otherwise keeps every one (the interpreted Mosaic GPU
-  kernels compile many), and XLA's CPU compiler crashed late in the suite
-  (a segmentation fault in test_validation, twice)."""
+  kernels compile many): without it each worker grew past 4 GB and the
+  default run was two thirds done when it otherwise ends, and XLA's CPU
+  compiler crashed late in the suite (a segmentation fault in
+  test_validation, twice)."""
   yield
   jax.clear_caches()
