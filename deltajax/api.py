@@ -647,9 +647,9 @@ def gated_delta_step(state, q, k, v, a, b, *, w=None, state_indices=None,
       ``compiled.memory_analysis()``, tests/test_step.py).
     scale: defaults to ``K ** -0.5``.
     impl: "jnp", "pallas" (one kernel, :mod:`deltajax.pallas.step`; Pallas
-      interpret mode off the GPU) or "auto", which is "jnp" everywhere for
-      now: the kernel, faster on an H100 (benchmarks/RESULTS.md), is
-      opt-in until its GPU check has passed. "jnp" gathers a pool's B slots, steps them and
+      interpret mode off the GPU) or "auto", the kernel on NVIDIA GPUs
+      from Ampere on (faster than "jnp" in a jitted loop on an H100,
+      benchmarks/RESULTS.md) and "jnp" elsewhere. "jnp" gathers a pool's B slots, steps them and
       scatters them back; the kernel reads and writes each row's slot in
       the pool itself, in the state's dtype. Gradients go through the jnp
       step.
@@ -790,12 +790,16 @@ def _accepted_rule(length: int) -> str:
 
 
 def _step_impl(impl: str) -> str:
-  """The step's implementation, "jnp" or "pallas", for ``impl``."""
+  """The step's implementation, "jnp" or "pallas", for ``impl``: "auto" is
+  the kernel where it runs compiled (NVIDIA GPUs from Ampere on), else
+  "jnp"."""
   if impl not in STEP_IMPLEMENTATIONS:
     raise ValueError(f"impl must be one of {STEP_IMPLEMENTATIONS} for "
                      f"gated_delta_step and gated_delta_verify; got "
                      f"{impl!r}")
-  return "jnp" if impl == "auto" else impl
+  if impl != "auto":
+    return impl
+  return "pallas" if registry.REGISTRY["pallas"].runs_natively() else "jnp"
 
 
 def _stored_dtype(state, dtype) -> jnp.dtype:

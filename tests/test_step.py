@@ -138,7 +138,13 @@ def test_pallas_gradients_are_the_jnp_steps(x64, gate):
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
 
 
-def test_auto_takes_jnp_until_the_kernel_passes_its_gpu_check():
+def test_auto_takes_the_kernel_where_it_runs_compiled(monkeypatch):
+  """The jnp step on the CPU; the kernel on an NVIDIA GPU (faked here)."""
+  assert api._step_impl("auto") == "jnp"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pallas, "gpu_capability", lambda: (9, 0))
+  assert api._step_impl("auto") == "pallas"
+  monkeypatch.setattr(pallas, "gpu_capability", lambda: (7, 5))
   assert api._step_impl("auto") == "jnp"
 
 
