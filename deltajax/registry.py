@@ -67,9 +67,6 @@ class Implementation:
       Elsewhere it runs only if ``emulated`` (Pallas interpret mode).
     emulated: runs, slowly, off its native backends.
     min_capability: for "gpu", the lowest NVIDIA compute capability.
-    auto_gates: the gate kinds for which ``impl="auto"`` may pick it: those
-      whose kernels have been compiled and timed on their native backend
-      (None: all of ``gates``). Others run when asked for by name.
     wide: float32 and float64 q, k, v are computed at their precision;
       False: its products are 16-bit, and it takes 16-bit q, k, v only.
     max_head_dim: the largest K and V it takes (None: any).
@@ -85,7 +82,6 @@ class Implementation:
   native: tuple[str, ...] = ("cpu", "gpu", "tpu")
   emulated: bool = False
   min_capability: tuple[int, int] | None = None
-  auto_gates: tuple[str, ...] | None = None
   wide: bool = True
   max_head_dim: int | None = None
   config: type | None = None
@@ -99,10 +95,6 @@ class Implementation:
       cc = pallas.gpu_capability()
       return cc is not None and cc >= self.min_capability
     return True
-
-  def chosen_by_auto(self) -> tuple[str, ...]:
-    """The gate kinds for which "auto" may pick it."""
-    return self.gates if self.auto_gates is None else self.auto_gates
 
   def unsupported(self, *, gate: str, chunk_size: int, packed: bool,
                   grouped: bool, wide: bool = False,
@@ -145,14 +137,13 @@ REGISTRY = {
         "pallas", pallas.gated_delta_pallas, gates=GATES,
         chunk_sizes=(16, 32, 64), native=("gpu",),
         emulated=True, min_capability=pallas.MIN_CAPABILITY,
-        auto_gates=("head", "channel", "gdn2"), config=pallas.Config),
-    # Hopper only; faster than "pallas" on the H200, forward and
-    # forward+backward, at every shape timed (benchmarks/RESULTS.md), for
-    # the gates "auto" takes it for.
+        config=pallas.Config),
+    # Hopper only; faster than "pallas" on the H100 and H200, forward and
+    # forward+backward, for every gate at every shape timed
+    # (benchmarks/RESULTS.md).
     "mosaic": Implementation(
         "mosaic", mosaic.gated_delta_mosaic, gates=GATES,
         chunk_sizes=(64,), native=("gpu",), emulated=True,
-        auto_gates=("head", "channel"),
         min_capability=mosaic.MIN_CAPABILITY, wide=False,
         max_head_dim=mosaic.MAX_HEAD_DIM, config=mosaic.Config),
 }
@@ -204,8 +195,8 @@ def select(impl: str, *, gate: str, length: int, chunk_size: int,
   """The implementation that runs a call: ``impl``, or the fastest for "auto".
 
   "auto" takes the first of :data:`AUTO_KERNELS` ("mosaic" on Hopper, then
-  "pallas" on NVIDIA GPUs of compute capability >= 8.0) that runs natively,
-  supports the call and lists the gate in its ``auto_gates``; else "scan"
+  "pallas" on NVIDIA GPUs of compute capability >= 8.0) that runs natively
+  and supports the call; else "scan"
   for short sequences on the CPU (:data:`SCAN_BELOW`); else "chunked".
   With a ``config``, "auto" is the implementation whose config it is
   (:func:`config_owner`), as if named.
@@ -227,8 +218,7 @@ def select(impl: str, *, gate: str, length: int, chunk_size: int,
     return owner
   if impl == "auto":
     for kernels in map(REGISTRY.get, AUTO_KERNELS):
-      if (kernels.runs_natively() and gate in kernels.chosen_by_auto()
-          and not kernels.unsupported(**features)):
+      if kernels.runs_natively() and not kernels.unsupported(**features):
         return kernels
     if jax.default_backend() == "cpu" and length < SCAN_BELOW[gate]:
       return REGISTRY["scan"]

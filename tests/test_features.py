@@ -265,14 +265,15 @@ def test_auto_picks_an_implementation_that_supports_the_gate(gate):
     (dict(chunk_size=32), "pallas"),
     (dict(gate="channel"), "mosaic"),
     (dict(gate="channel", packed=True), "mosaic"),
-    (dict(gate="gdn2"), "pallas"),
+    (dict(gate="gdn2"), "mosaic"),
+    (dict(gate="gdn2", packed=True), "mosaic"),
 ])
 def test_auto_on_hopper_takes_the_fastest_kernels_that_can_run(
     call, expected, monkeypatch):
   """On a Hopper GPU (faked here), "auto" takes impl="mosaic" for what it
-  supports and has been timed on (the per-head and per-channel gates, 16-bit
-  q, k, v, head dims up to 128, chunks of 64; packed calls too: the same
-  kernels on a gate with the cuts folded in), else "pallas"."""
+  supports (every gate, 16-bit q, k, v, head dims up to 128, chunks of 64;
+  packed calls too: the same kernels on a gate with the cuts folded in),
+  else "pallas"."""
   monkeypatch.setattr(registry.Implementation, "runs_natively",
                       lambda self: True)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
