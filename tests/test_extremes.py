@@ -109,15 +109,17 @@ def _floored_inputs(gate, seed):
   return x._replace(a=np.where(floored, value, x.a))
 
 
-@pytest.mark.parametrize("dtype", (jnp.float64, jnp.float32),
-                         ids=("float64", "float32"))
+@pytest.mark.parametrize("dtype", (jnp.float32, utils.slow(jnp.float64)),
+                         ids=("float32", "float64"))
 @pytest.mark.parametrize("gate", ("gdn", utils.slow("kda"),
                                   "kda single channels"))
 @pytest.mark.parametrize("impl", ("scan", "chunked", "pallas"))
 def test_floored_gates_against_the_float64_reference(impl, gate, dtype):
   """A gate at the floor is a full forget: scan and chunked make it a cut
   with a = 0, so the gates after it in its chunk keep their precision; the
-  Pallas kernels clamp it at the floor."""
+  Pallas kernels clamp it at the floor. (Taken as a decay, not a cut, a
+  floored gate costs chunked 1.3e-5 to 1.5e-5 in float32, four times the
+  tolerance.)"""
   x = _floored_inputs(gate, seed=8)
   cotangents = utils.random_cotangents(9, x)
   with jax.enable_x64(True):

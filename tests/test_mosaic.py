@@ -388,25 +388,36 @@ def test_mosaic_pieces_match_float64():
          config=mosaic.Config(pieces=4))
 
 
-def test_config_pieces_match_float64():
-  """``gated_delta(..., impl="mosaic", config=Config(pieces=2))`` on the
-  default path: the three-warpgroup scan in two pieces (its map pass in
-  two warpgroups), the three-warpgroup reverse pass in pieces (the second
-  piece's local pass first), against float64: K = 128, V = 64, so that the
-  map pass's identity takes two of its three value blocks; weak gates, so
-  that the state and its cotangent cross the pieces. Only with the
-  config does the map pass run (one piece off the GPU by default: the
-  other tests); pieces that do not divide the chunks are refused."""
-  x = utils.random_inputs(17, batch=1, length=128, heads=1, key_dim=128,
-                          value_dim=64, gate_scale=0.01, state_scale=0.1)
-  _check(x, x64=False, config=mosaic.Config(pieces=2))
+def _pieces_inputs():
+  """T = 128 (two chunks), K = 128, V = 64, weak gates."""
+  return utils.random_inputs(17, batch=1, length=128, heads=1, key_dim=128,
+                             value_dim=64, gate_scale=0.01, state_scale=0.1)
+
+
+def test_config_pieces_run_the_map_pass():
+  """``config=Config(pieces=2)`` cuts the sequence into two pieces (the map
+  pass runs; one piece off the GPU by default: the other tests); pieces
+  that do not divide the chunks are refused."""
   kernels = lambda config: _kernel_names(jax.make_jaxpr(
       lambda *z: deltajax.gated_delta(*z[:5], initial_state=z[5],
                                       impl="mosaic", config=config))(
-                                          *_args(x)).jaxpr)
+                                          *_args(_pieces_inputs())).jaxpr)
+  assert "deltajax_mosaic_maps" not in kernels(None)
   assert "deltajax_mosaic_maps" in kernels(mosaic.Config(pieces=2))
   with pytest.raises(ValueError, match="pieces = 3 must divide the 2 chunks"):
     kernels(mosaic.Config(pieces=3))
+
+
+@pytest.mark.slow
+def test_config_pieces_match_float64():
+  """Two pieces on the default path: the three-warpgroup scan in two pieces
+  (its map pass in two warpgroups), the three-warpgroup reverse pass in
+  pieces (the second piece's local pass first), against float64: K = 128,
+  V = 64, so that the map pass's identity takes two of its three value
+  blocks; weak gates, so that the state and its cotangent cross the pieces
+  (the default run checks the same kernels on packed sequences:
+  test_mosaic_cu_seqlens_in_pieces_match_float64)."""
+  _check(_pieces_inputs(), x64=False, config=mosaic.Config(pieces=2))
 
 
 def _compiled_inputs(monkeypatch, t, kv_heads, value_heads, dim,
