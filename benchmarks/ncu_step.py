@@ -9,7 +9,8 @@ first), on benchmark.py's inputs. ``--summarize`` reads Nsight Compute's
 CSV and prints each kernel's time in the last step: the log's last launches
 that repeat the ones before them (the last two steps launch the same
 kernels). ``--impl jla`` profiles jla's kernels on the same inputs (where
-jla is importable).
+jla is importable); ``--documents N`` packs N documents into every row, as
+benchmark.py's option of that name.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.benchmark import deltajax_attention
+from benchmarks.benchmark import documents
 from benchmarks.benchmark import load_jla
 from benchmarks.benchmark import make_inputs
 
@@ -64,6 +66,12 @@ def main():
                       help='a deltajax implementation, or "jla"')
   parser.add_argument("--forward", action="store_true",
                       help="the forward alone (no gradients)")
+  parser.add_argument("--documents", type=int, default=0,
+                      help="documents of random lengths packed into each row "
+                      "(benchmark.documents)")
+  parser.add_argument("--packing", choices=("segment_ids", "cu_seqlens"),
+                      default="segment_ids",
+                      help="how deltajax takes the --documents")
   args = parser.parse_args()
   if args.summarize:
     summarize(args.summarize)
@@ -73,8 +81,11 @@ def main():
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a, b = jnp.asarray(a), jnp.asarray(b)
 
-  attention = (load_jla(args.gate) if args.impl == "jla"
-               else deltajax_attention(args.impl, args.gate))
+  ids = documents(*shape[:2], args.documents) if args.documents else None
+  attention = (load_jla(args.gate, ids) if args.impl == "jla"
+               else deltajax_attention(
+                   args.impl, args.gate,
+                   None if ids is None else (args.packing, ids)))
   if attention is None:
     parser.error("jla is not importable")
 
