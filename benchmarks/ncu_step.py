@@ -45,7 +45,8 @@ def summarize(path):
     rows = [r for r in csv.DictReader(line for line in f
                                       if not line.startswith("=="))
             if r.get("Metric Name") == "gpu__time_duration.sum"]
-  scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+  scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3,
+           "ns": 1e-3, "us": 1.0, "ms": 1e3}  # Nsight Compute's old, new
   launches = [(r["Kernel Name"], float(r["Metric Value"].replace(",", ""))
                * scale[r["Metric Unit"]]) for r in rows]
   times = collections.Counter()

@@ -358,13 +358,6 @@ def _segment_cuts(segment_ids: jax.Array, like: jax.Array) -> jax.Array:
   return jnp.broadcast_to(cut[:, :, None, None], like.shape)
 
 
-def _to_layout(x: jax.Array, layout: common.Layout, n_chunks: int,
-               chunk_size: int) -> jax.Array:
-  """``[1, T_total, ...]`` -> ``[1, N_chunks C, ...]``, zeros between sequences."""
-  out = jnp.zeros((1, n_chunks * chunk_size, *x.shape[2:]), x.dtype)
-  return out.at[:, layout.slot].set(x)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "impl", "chunk_size",
                                              "use_qk_l2norm", "beta_sigmoid",
                                              "allow_neg_eigval",
@@ -417,13 +410,12 @@ def _run(q, k, v, a, b, initial_state, segment_ids, cu_seqlens, A_log, dt_bias,
     o, final_state = call(q, k, v, a, b, initial_state, cut, None)
     return o[:, :t], final_state
   layout = common.chunk_layout(cu_seqlens, t, chunk_size)
-  n_chunks = layout.chunk_seq.shape[0]
-  q, k, v, a, b = jax.tree.map(
-      lambda x: _to_layout(x, layout, n_chunks, chunk_size), (q, k, v, a, b))
+  q, k, v, a, b = jax.tree.map(lambda x: common.to_layout(x, layout),
+                               (q, k, v, a, b))
   o, final_state = call(q, k, v, a, b, initial_state, None, layout.chunk_seq)
   final_state = jnp.where(layout.empty[:, None, None, None], initial_state,
                           final_state)
-  return o[:, layout.slot], final_state
+  return common.from_layout(o, layout), final_state
 
 
 def gated_delta(q, k, v, a, b, *, scale=None, initial_state=None,

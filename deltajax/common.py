@@ -462,11 +462,14 @@ class Layout(NamedTuple):
 
   Attributes:
     slot: ``[T_total]`` int32, each token's position in the laid-out stream.
+    source: ``[N_chunks C]`` int32, the token at each position of the
+      laid-out stream, ``T_total`` where it is padding.
     chunk_seq: ``[N_chunks]`` int32, the sequence that owns each chunk.
     empty: ``[N]`` bool, sequences of length 0 (their final state is their
       initial state).
   """
   slot: jax.Array
+  source: jax.Array
   chunk_seq: jax.Array
   empty: jax.Array
 
@@ -520,13 +523,49 @@ def chunk_layout(cu_seqlens: jax.Array, total: int, chunk_size: int) -> Layout:
   chunk_seq = jnp.searchsorted(first_chunk, jnp.arange(n_chunks),
                                side="right") - 1
   # A traced cu_seqlens that breaks its contract gives garbage but never an
-  # out-of-bounds access: the gathers above and of the outputs through
-  # ``slot`` clamp their indices, the scatter into the layout drops
-  # out-of-range updates, and chunk_seq, which the Pallas kernels use
-  # unchecked to index the states, is clipped to [0, N): searchsorted in an
-  # unsorted first_chunk promises no range.
-  chunk_seq = jnp.clip(chunk_seq, 0, cu.shape[0] - 2)
-  return Layout(slot, chunk_seq.astype(jnp.int32), lengths == 0)
+  # out-of-bounds access: the gathers above clamp their indices, those
+  # through ``slot`` and ``source`` fill zeros past the end, and chunk_seq,
+  # which the Pallas kernels use unchecked to index the states, is clipped
+  # to [0, N): searchsorted in an unsorted first_chunk promises no range.
+  chunk_seq = jnp.clip(chunk_seq, 0, cu.shape[0] - 2).astype(jnp.int32)
+  position = jnp.arange(n_chunks * chunk_size, dtype=jnp.int32)
+  seq = chunk_seq[position // chunk_size]
+  offset = position - first_chunk[seq] * chunk_size
+  token = cu[seq] + offset
+  inside = ((offset >= 0) & (offset < lengths[seq]) & (token >= 0)
+            & (token < total))
+  source = jnp.where(inside, token, total)
+  return Layout(slot, source, chunk_seq, lengths == 0)
+
+
+def _gather_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x[:, index]`` along the token axis, zeros where ``index`` is past it."""
+  return jnp.take(x, index, axis=1, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def to_layout(x: jax.Array, layout: Layout) -> jax.Array:
+  """``[1, T_total, ...]`` -> ``[1, N_chunks C, ...]``: the tokens of packed
+  sequences in the chunk-aligned layout, zeros between them.
+
+  A gather, and so is its transpose (:func:`from_layout`): a scatter into
+  the layout, or the scatter-add that autodiff makes of a gather, takes XLA
+  on the GPU longer than the kernels that read the layout.
+  """
+  return _gather_tokens(x, layout.source)
+
+
+@jax.custom_vjp
+def from_layout(y: jax.Array, layout: Layout) -> jax.Array:
+  """``[1, N_chunks C, ...]`` -> ``[1, T_total, ...]``: the tokens back out
+  of the chunk-aligned layout (the transpose of :func:`to_layout`)."""
+  return _gather_tokens(y, layout.slot)
+
+
+to_layout.defvjp(lambda x, layout: (to_layout(x, layout), layout),
+                 lambda layout, ct: (from_layout(ct, layout), None))
+from_layout.defvjp(lambda y, layout: (from_layout(y, layout), layout),
+                   lambda layout, ct: (to_layout(ct, layout), None))
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:

@@ -289,15 +289,16 @@ _LEAKS = {
 
 
 def _isolation_cases():
-  """(gate, boundary, x64): by default each boundary once and the
-  per-channel cuts (KDA's other cases, and the three-warpgroup schedule's
-  at 40 s, under ``-m slow``)."""
+  """(gate, boundary, x64): by default the cuts per head and per channel,
+  and the cut inside a chunk; under ``-m slow`` the rest (a = -inf runs
+  the kernels of segment_ids, which the kernels take as a gate at the
+  floor; the three-warpgroup schedule's at 40 s)."""
   for gate in ("gdn", "kda"):
     for boundary in _BOUNDARIES:
       marks = []
       if boundary in _LEAKS:
         marks.append(pytest.mark.xfail(strict=True, reason=_LEAKS[boundary]))
-      if gate == "kda" and boundary != "segment_ids":
+      if boundary == "a=-inf" or (gate == "kda" and boundary != "segment_ids"):
         marks.append(pytest.mark.slow)
       yield pytest.param(gate, boundary, True, marks=marks,
                          id=f"{gate}-{boundary}")

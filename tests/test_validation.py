@@ -272,6 +272,7 @@ def test_traced_bad_cu_seqlens_stays_in_bounds():
     layout = jax.jit(common.chunk_layout, static_argnums=(1, 2))(
         jnp.array(values), T_PACKED, 16)
     assert np.all((layout.chunk_seq >= 0) & (layout.chunk_seq < 3)), values
+    assert np.all((layout.source >= 0) & (layout.source <= T_PACKED)), values
     o = jax.jit(lambda cu: deltajax.gated_delta(
         **_packed(cu_seqlens=cu)))(jnp.array(values))
     assert o.shape == (1, T_PACKED, H, V)
