@@ -213,25 +213,39 @@ def test_mosaic_per_channel_segment_ids_match_float64():
   _check(x, options=dict(segment_ids=SEGMENT_IDS))
 
 
-@pytest.mark.parametrize("per_channel, x64", [
-    (False, True), pytest.param(True, True, marks=pytest.mark.slow),
-    pytest.param(False, False, marks=pytest.mark.slow)],
-    ids=["gdn", "kda", "gdn-3wg"])
-def test_mosaic_cu_seqlens_match_float64(per_channel, x64):
-  """cu_seqlens (B = 1, per-sequence initial and final states): sequences
-  of 1, 0, 63, 64 and 65 tokens, the last two crossing chunk borders in
-  the packed input (their layout is chunk-aligned), each from its own
-  initial state, the empty one keeping it. The Mosaic GPU kernels of an
-  unpacked call run them, the scan and the reverse pass entering and
-  leaving each sequence at its chunks' bounds; on the one-warpgroup path
-  (``jax_enable_x64``), per head and per channel, and the three-warpgroup
-  one."""
-  cu = np.cumsum([0, 1, 0, 63, 64, 65])
-  x = utils.random_inputs(45, batch=1, length=int(cu[-1]), heads=1,
-                          value_heads=2, key_dim=60, value_dim=40,
-                          per_channel=per_channel, gate_scale=0.1,
-                          state_scale=0.1, states=5)
-  _check(x, x64=x64, options=dict(cu_seqlens=cu))
+# Sequences of 1, 0, 63, 64 and 65 tokens: the last two cross chunk borders
+# in the packed input (the layout is chunk-aligned), the empty one keeps its
+# initial state.
+_CU_SEQLENS = np.cumsum([0, 1, 0, 63, 64, 65])
+
+
+def _cu_seqlens_inputs(seed, per_channel):
+  """Inputs for :data:`_CU_SEQLENS`: grouped value heads, K = 60 and V = 40
+  padded, a state per sequence."""
+  return utils.random_inputs(seed, batch=1, length=int(_CU_SEQLENS[-1]),
+                             heads=1, value_heads=2, key_dim=60,
+                             value_dim=40, per_channel=per_channel,
+                             gate_scale=0.1, state_scale=0.1, states=5)
+
+
+@pytest.mark.parametrize("per_channel, x64, check", [
+    (False, True, False),
+    pytest.param(False, True, True, marks=pytest.mark.slow),
+    pytest.param(True, True, True, marks=pytest.mark.slow),
+    pytest.param(False, False, True, marks=pytest.mark.slow)],
+    ids=["gdn-kernels", "gdn", "kda", "gdn-3wg"])
+def test_mosaic_cu_seqlens_match_float64(per_channel, x64, check):
+  """cu_seqlens (B = 1, per-sequence initial and final states,
+  :data:`_CU_SEQLENS`), each sequence from its own initial state. The Mosaic
+  GPU kernels of an unpacked call run them, the scan and the reverse pass
+  entering and leaving each sequence at its chunks' bounds; on the
+  one-warpgroup path (``jax_enable_x64``), per head and per channel, and
+  the three-warpgroup one. (The default run checks the values in pieces:
+  test_automatic_pieces_pad_the_chunks.)"""
+  cu = _CU_SEQLENS
+  x = _cu_seqlens_inputs(45, per_channel)
+  if check:
+    _check(x, x64=x64, options=dict(cu_seqlens=cu))
 
   def kernels(options):
     loss = lambda *z: deltajax.gated_delta(
@@ -483,16 +497,14 @@ def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch, hopper
                                     pytest.param(True, id="cu_seqlens")])
 def test_automatic_pieces_pad_the_chunks(packed, monkeypatch):
   """Automatic pieces that do not divide the chunks (two, of the three
-  chunks of T = 130 or the seven of cu_seqlens' layout of sequences of 1,
-  0, 63, 64 and 65 tokens) pad them with chunks that leave the state as
-  it is (a = 0, beta 0; packed, the last sequence's), against float64."""
+  chunks of T = 130 or the seven of :data:`_CU_SEQLENS`' layout, with
+  grouped value heads and padded head dims) pad them with chunks that leave
+  the state as it is (a = 0, beta 0; packed, the last sequence's), against
+  float64."""
   monkeypatch.setattr(ops, "_default_pieces", lambda ctas, n_chunks: 2)
   if packed:
-    cu = np.cumsum([0, 1, 0, 63, 64, 65])
-    x = utils.random_inputs(53, batch=1, length=int(cu[-1]), heads=1,
-                            key_dim=64, value_dim=64, gate_scale=0.1,
-                            state_scale=0.1, states=5)
-    _check(x, options=dict(cu_seqlens=cu))
+    _check(_cu_seqlens_inputs(53, False),
+           options=dict(cu_seqlens=_CU_SEQLENS))
   else:
     _check(utils.random_inputs(53, batch=1, length=130, heads=1, key_dim=64,
                                value_dim=64, gate_scale=0.1, state_scale=0.1))
