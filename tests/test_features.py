@@ -156,7 +156,10 @@ def _boundary_cases():
     for boundary in BOUNDARIES:
       marks = ()
       if impl == "pallas" and boundary in PALLAS_LEAKS:
-        marks = pytest.mark.xfail(strict=True, reason=PALLAS_LEAKS[boundary])
+        # What is known to leak is checked to leak with -m slow.
+        marks = (pytest.mark.xfail(strict=True,
+                                   reason=PALLAS_LEAKS[boundary]),
+                 pytest.mark.slow)
       yield pytest.param(impl, boundary, marks=marks, id=f"{impl}-{boundary}")
 
 

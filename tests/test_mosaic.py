@@ -303,16 +303,16 @@ _LEAKS = {
 
 
 def _isolation_cases():
-  """(gate, boundary, x64): by default the cuts per head and per channel,
-  and the cut inside a chunk; under ``-m slow`` the rest (a = -inf runs
-  the kernels of segment_ids, which the kernels take as a gate at the
-  floor; the three-warpgroup schedule's at 40 s)."""
+  """(gate, boundary, x64): by default the cuts per head and per channel;
+  under ``-m slow`` the rest (a = -inf runs the kernels of segment_ids,
+  which the kernels take as a gate at the floor; the cut inside a chunk,
+  known to leak; the three-warpgroup schedule's at 40 s)."""
   for gate in ("gdn", "kda"):
     for boundary in _BOUNDARIES:
       marks = []
-      if boundary in _LEAKS:
+      if boundary in _LEAKS:  # checked to leak with -m slow
         marks.append(pytest.mark.xfail(strict=True, reason=_LEAKS[boundary]))
-      if boundary == "a=-inf" or (gate == "kda" and boundary != "segment_ids"):
+      if boundary != "segment_ids":
         marks.append(pytest.mark.slow)
       yield pytest.param(gate, boundary, True, marks=marks,
                          id=f"{gate}-{boundary}")
