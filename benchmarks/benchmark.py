@@ -292,30 +292,34 @@ def time_fla(fla, inputs, reps, segment_ids=None):
 
 
 def time_decode_step(bsz=4, h=16, d=128, steps=100, gate="gdn", impl="auto",
-                     state_dtype=jnp.float32, pool=0, reps=20):
+                     state_dtype=jnp.float32, pool=0, reps=20, step=None):
   """Microseconds per :func:`deltajax.gated_delta_step` inside a jitted loop
   of ``steps`` tokens, its state carried (in ``state_dtype``) from step to
-  step. ``pool``: the states in a pool of ``pool * bsz`` slots, the rows at
-  random distinct slots (``state_indices``), the pool carried instead."""
-  q, k, v, a, b, _ = make_inputs((bsz, steps, h, d), seed=1, gate=gate)
-  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-  a, b = jax.tree.map(jnp.asarray, (a, b))
+  step. Every step takes the same token (q, k, v and gates made once
+  outside the loop; a decoder computes them in its own kernels), so the
+  loop runs the step's kernels alone; the output is carried too, so that
+  no step is dead code. ``pool``: the states in a pool of ``pool * bsz``
+  slots, the rows at random distinct slots (``state_indices``), the pool
+  carried instead. ``step``: None, or a function with
+  :func:`deltajax.gated_delta_step`'s signature to time in its place."""
+  q, k, v, a, b, _ = make_inputs((bsz, 1, h, d), seed=1, gate=gate)
+  q, k, v = (jnp.asarray(x[:, 0], jnp.bfloat16) for x in (q, k, v))
+  a, b = jax.tree.map(lambda x: jnp.asarray(x[:, 0]), (a, b))
   b, write = b if gate == "gdn2" else (b, None)
   options = dict(impl=impl)
+  if write is not None:
+    options["w"] = write
   if pool:
     options["state_indices"] = jnp.asarray(np.random.default_rng(2).choice(
         pool * bsz, bsz, replace=False), jnp.int32)
+  step = step or deltajax.gated_delta_step
 
   @jax.jit
   def decode(state):
-    def step(t, carry):
-      state, acc = carry
-      w = {} if write is None else dict(w=write[:, t])
-      o, state = deltajax.gated_delta_step(
-          state, q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], **w, **options)
-      return state, acc + o[..., 0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, steps, step,
-                             (state, jnp.zeros((bsz, h), jnp.float32)))
+    def token(_, carry):
+      o, state = step(carry[1], q, k, v, a, b, **options)
+      return o, state
+    return jax.lax.fori_loop(0, steps, token, (jnp.zeros_like(v), state))
 
   state = jnp.zeros(((pool or 1) * bsz, h, d, d), state_dtype)
   return median_ms(lambda: decode(state), reps) * 1e3 / steps

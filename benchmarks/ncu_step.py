@@ -10,7 +10,9 @@ CSV and prints each kernel's time in the last step: the log's last launches
 that repeat the ones before them (the last two steps launch the same
 kernels). ``--impl jla`` profiles jla's kernels on the same inputs (where
 jla is importable); ``--documents N`` packs N documents into every row, as
-benchmark.py's option of that name.
+benchmark.py's option of that name. ``--decode`` profiles decoding instead:
+:func:`benchmark.time_decode_step`'s jitted loop of ``gated_delta_step``
+(``--impl`` a step implementation), so the last step is one token's kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from benchmarks.benchmark import deltajax_attention
 from benchmarks.benchmark import documents
 from benchmarks.benchmark import load_jla
 from benchmarks.benchmark import make_inputs
+from benchmarks.benchmark import time_decode_step
 
 
 def last_step(launches):
@@ -73,11 +76,19 @@ def main():
   parser.add_argument("--packing", choices=("segment_ids", "cu_seqlens"),
                       default="segment_ids",
                       help="how deltajax takes the --documents")
+  parser.add_argument("--decode", action="store_true",
+                      help="a jitted loop of decoding steps at --shape's "
+                      "B, H, D (T unused)")
   args = parser.parse_args()
   if args.summarize:
     summarize(args.summarize)
     return
   shape = tuple(int(x) for x in args.shape.split(","))
+  if args.decode:
+    bsz, _, h, d = shape
+    time_decode_step(bsz, h, d, steps=4, gate=args.gate, impl=args.impl,
+                     reps=1)
+    return
   q, k, v, a, b, do = make_inputs(shape, gate=args.gate)
   q, k, v, do = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do))
   a, b = jnp.asarray(a), jnp.asarray(b)
