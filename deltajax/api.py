@@ -714,8 +714,10 @@ def gated_delta_verify(state, q, k, v, a, b, *, w=None, state_indices=None,
     state_indices: None, or integer ``[B]``, as in :func:`gated_delta_step`:
       row ``i`` starts from slot ``state_indices[i]``; a padding row
       (negative) gives zero outputs and states.
-    scale, impl: as in :func:`gated_delta_step` (a loop over the tokens of
-      the same step).
+    scale, impl: as in :func:`gated_delta_step`; "pallas" runs the T
+      tokens in one kernel (:func:`deltajax.pallas.step.gated_delta_verify_pallas`:
+      each state read once), "jnp" loops over them; gradients go through
+      the jnp loop.
 
   Returns:
     ``(o, states)``: ``o`` ``[B, T, HV, V]`` in v's dtype and ``states``
@@ -815,15 +817,6 @@ def _start(state, q, k, v, a, b, state_indices, check_values):
   return rows.astype(dtype), stored
 
 
-def _token_step(impl: str, scale: float):
-  """The step of one token on dense rows in the compute dtype,
-  ``(state, q, k, v, a, b) -> (o, new_state)``."""
-  if impl == "pallas":
-    return lambda state, *token: _pallas_step(state, *token, None, scale,
-                                              state.dtype)
-  return lambda state, *token: _jnp_step(state, *token, scale)
-
-
 @functools.partial(jax.jit,
                    static_argnames=("scale", "impl", "check_values"))
 def _step(state, q, k, v, a, b, state_indices, *, scale, impl, check_values):
@@ -839,21 +832,31 @@ def _step(state, q, k, v, a, b, state_indices, *, scale, impl, check_values):
                    static_argnames=("scale", "impl", "check_values"))
 def _verify(state, q, k, v, a, b, state_indices, *, scale, impl,
             check_values):
+  """The draft tokens in one kernel ("pallas"), or in a loop of the jnp
+  step."""
+  rows, stored = _start(state, q, k, v, a, b, state_indices, check_values)
+  verify = _pallas_verify if impl == "pallas" else _jnp_verify
+  return verify(state, q, k, v, a, b, state_indices, scale, rows.dtype,
+                stored)
+
+
+def _jnp_verify(state, q, k, v, a, b, state_indices, scale, dtype, stored):
   """The tokens in a loop that writes each output and state into its
   ``[B, T, ...]`` buffer in place (a scan's stacked outputs would need a
-  transpose of every state)."""
-  rows, stored = _start(state, q, k, v, a, b, state_indices, check_values)
-  step = _token_step(impl, scale)
+  transpose of every state); the rows' states in the compute dtype
+  ``dtype`` between tokens, returned in ``stored``."""
+  rows = (state if state_indices is None
+          else common.pool_rows(state, state_indices)).astype(dtype)
   bsz, t = q.shape[:2]
   tokens = (q, k, v, a, b)
   keep = ((lambda x: x) if state_indices is None
           else functools.partial(common.zero_padding_rows,
-                            state_indices=state_indices))
+                                 state_indices=state_indices))
 
   def token(i, carry):
     rows, o, states = carry
     at = lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False)
-    o_i, rows = step(rows, *jax.tree.map(at, tokens))
+    o_i, rows = _jnp_step(rows, *jax.tree.map(at, tokens), scale)
     o = jax.lax.dynamic_update_index_in_dim(o, keep(o_i), i, 1)
     states = jax.lax.dynamic_update_index_in_dim(
         states, keep(rows).astype(stored), i, 1)
@@ -863,6 +866,29 @@ def _verify(state, q, k, v, a, b, state_indices, *, scale, impl,
   states = jnp.zeros((bsz, t, *rows.shape[1:]), stored)
   _, o, states = jax.lax.fori_loop(0, t, token, (rows, o, states))
   return o, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _pallas_verify(state, q, k, v, a, b, state_indices, scale, dtype, stored):
+  """The verification kernel; its VJP is the jnp loop's (recomputed)."""
+  return pallas_step.gated_delta_verify_pallas(
+      state, q, k, v, a, b, scale=scale, state_indices=state_indices,
+      dtype=dtype, states_dtype=stored)
+
+
+def _pallas_verify_fwd(state, q, k, v, a, b, state_indices, scale, dtype,
+                       stored):
+  return (_pallas_verify(state, q, k, v, a, b, state_indices, scale, dtype,
+                         stored), (state, q, k, v, a, b, state_indices))
+
+
+def _pallas_verify_bwd(scale, dtype, stored, inputs, cotangents):
+  _, pullback = jax.vjp(
+      lambda *x: _jnp_verify(*x, scale, dtype, stored), *inputs)
+  return pullback(cotangents)
+
+
+_pallas_verify.defvjp(_pallas_verify_fwd, _pallas_verify_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("check_values",))

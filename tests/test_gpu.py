@@ -1,4 +1,4 @@
-"""GPU checks of the kernels (``python -m pytest -m gpu -n 12 tests``, with
+"""GPU checks of the kernels (``python -m pytest -m gpu -n 14 tests``, with
 tests/test_gpu_fla.py: fla's grids through impl="auto").
 
 16-bit inputs, float32 gates and initial state, run as users run them
@@ -349,6 +349,14 @@ def _decode(impl, state, tokens, state_indices=None):
   return run(state, jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), tokens))
 
 
+def _draft(impl, state, tokens, state_indices=None, length=4):
+  """``(o, states)`` of :func:`deltajax.gated_delta_verify` on the first
+  ``length`` tokens."""
+  q, k, v, a, b, w = (None if y is None else y[:, :length] for y in tokens)
+  return deltajax.gated_delta_verify(state, q, k, v, a, b, w=w,
+                                     state_indices=state_indices, impl=impl)
+
+
 # The pool of the pooled cases: 8 slots for B = 4 rows, one a padding row.
 STEP_SLOTS = np.array([6, -1, 0, 3], np.int32)
 
@@ -360,7 +368,7 @@ def test_step_kernel_matches_jnp_and_float64(gate, h, pooled):
   """B = 4, HV = 16, K = V = 128 (benchmarks/benchmark.py's decoding step),
   32 steps with bf16 q, k, v, float32 gates and state, some a = -inf; dense,
   and on a pool of 8 slots (``state_indices``, a padding row) with grouped
-  heads."""
+  heads; and the verification kernel on the first 4 tokens."""
   x = utils.random_inputs(3 + h, batch=4, length=32, heads=h, key_dim=128,
                           value_dim=128, per_channel=gate != "gdn",
                           state_scale=0.1, value_heads=16,
@@ -380,16 +388,20 @@ def test_step_kernel_matches_jnp_and_float64(gate, h, pooled):
     ref = _decode("jnp", *wide, slots)
     got = _decode("pallas", state, tokens, slots)
     jnp_f32 = _decode("jnp", state, tokens, slots)
+    draft = [_draft(impl, *args, slots) for impl, args in (
+        ("jnp", wide), ("pallas", (state, tokens)), ("jnp", (state, tokens)))]
   # The kernel's float32 state is exact to rounding (about 6e-8 on the CPU);
   # o is rounded to bf16. jnp may use TF32 products on the GPU.
-  for name, bound, g, r, j in zip(("o", "s"), (TOLERANCES["o"], 1e-5), got,
-                                  ref, jnp_f32):
+  for name, key, bound, r, g, j in zip(
+      ("o", "s", "verify o", "verify states"), 2 * ("o", "s"),
+      2 * (TOLERANCES["o"], 1e-5), (*ref, *draft[0]), (*got, *draft[1]),
+      (*jnp_f32, *draft[2])):
     g, r, j = (np.asarray(y, np.float64) for y in (g, r, j))
     error, vs_jnp = (np.linalg.norm(g - y) / np.linalg.norm(y) for y in (r, j))
     print(f"step {gate} H={h} pooled={pooled} {name}: {error:.1e} against "
           f"float64, {vs_jnp:.1e} against jnp float32")
     assert error <= bound, (name, error)
-    assert vs_jnp <= TOLERANCES[name], (name, vs_jnp)
+    assert vs_jnp <= TOLERANCES[key], (name, vs_jnp)
 
 
 @pytest.mark.parametrize("per_channel", (False, True), ids=("gdn", "kda"))

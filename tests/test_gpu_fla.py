@@ -12,7 +12,7 @@ output and gradient finite.
 Cases of one shape and scale share a call (their rows side by side in the
 batch), and both dtypes share the float64 reference, so the module compiles
 once per shape, scale and dtype; compiling dominates, so the GPU tests run
-in parallel workers: ``python -m pytest -m gpu -n 12 tests``.
+in parallel workers: ``python -m pytest -m gpu -n 14 tests``.
 """
 
 import functools

@@ -311,15 +311,63 @@ def test_verify_matches_sequence_call_and_steps(x64, gate, length, pooled):
     np.testing.assert_array_equal(states[1], 0)
 
 
-def test_verify_runs_the_pallas_step():
-  pool, tokens = _pool_inputs("kda", seed=24, length=3)
-  args = (jnp.asarray(pool, jnp.float32),
-          *(jnp.asarray(y, jnp.float32) for y in tokens[:5]))
-  got = deltajax.gated_delta_verify(*args, state_indices=SLOTS,
-                                    impl="pallas")
-  ref = deltajax.gated_delta_verify(*args, state_indices=SLOTS, impl="jnp")
-  for x, y in zip(got, ref):
-    assert utils.relative_max_error(x, y) < 1e-5
+@pytest.mark.parametrize("dims", [(16, 16), (24, 20)], ids=["fits", "padded"])
+@pytest.mark.parametrize("gate, pooled", [("gdn", False), ("kda", True),
+                                          ("gdn2", True)])
+def test_verify_kernel_matches_jnp(gate, pooled, dims):
+  """The verification kernel (T = 3 tokens from one read of each state
+  block) against the loop of jnp steps: outputs, every state (zeros in the
+  padding row), and the gradients (through the jnp loop)."""
+  dk, dv = dims
+  x = utils.random_inputs(24, batch=3, length=3, heads=1, key_dim=dk,
+                          value_dim=dv, per_channel=gate != "gdn",
+                          value_heads=2, states=POOL_SIZE)
+  rng = np.random.default_rng(24)
+  w = rng.uniform(0.0, 1.0, x.v.shape) if gate == "gdn2" else None
+  b = rng.uniform(0.0, 1.0, x.a.shape) if gate == "gdn2" else x.b
+  state = x.initial_state if pooled else x.initial_state[:3]
+  options = dict(w=None if w is None else jnp.asarray(w, jnp.float32),
+                 state_indices=SLOTS if pooled else None)
+  args = tuple(jnp.asarray(y, jnp.float32)
+               for y in (state, x.q, x.k, x.v, x.a, b))
+
+  def loss(impl, *args):
+    o, states = deltajax.gated_delta_verify(*args, impl=impl, **options)
+    return jnp.sum(o * o) + jnp.sum(jnp.sin(states)), (o, states)
+
+  grad = lambda impl: jax.grad(functools.partial(loss, impl), has_aux=True,
+                               argnums=tuple(range(6)))(*args)
+  (got_grads, got), (ref_grads, ref) = grad("pallas"), grad("jnp")
+  for x_, y in zip((*got, *got_grads), (*ref, *ref_grads)):
+    assert utils.relative_max_error(x_, y) < 1e-5
+  if pooled:
+    np.testing.assert_array_equal(got[0][1], 0)
+    np.testing.assert_array_equal(got[1][1], 0)
+
+
+@pytest.mark.parametrize("pooled", (False, True), ids=["dense", "pool"])
+def test_verify_kernel_lowers_for_triton(pooled, hopper):
+  """Three draft tokens (not a power of two) lower through Pallas' Triton
+  lowering for CUDA in one kernel, reading the pool's slots in place."""
+  bsz, t, h, hv, d = 4, 3, 2, 4, 64
+  f32 = jax.ShapeDtypeStruct  # an abstract array
+  state = f32((3 * bsz if pooled else bsz, hv, d, d), jnp.float32)
+  tokens = (f32((bsz, t, h, d), jnp.bfloat16), f32((bsz, t, h, d),
+                                                   jnp.bfloat16),
+            f32((bsz, t, hv, d), jnp.bfloat16), f32((bsz, t, hv, d),
+                                                    jnp.float32),
+            f32((bsz, t, hv), jnp.float32))
+  slots = f32((bsz,), jnp.int32) if pooled else None
+  verify = functools.partial(pallas_step.gated_delta_verify_pallas,
+                             scale=0.1, dtype=jnp.float32,
+                             config=pallas.Config(interpret=False))
+  text = jax.export.export(
+      jax.jit(lambda *x: verify(*x[:6], state_indices=x[6])),
+      platforms=["cuda"], disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call(
+              "__gpu$xla.gpu.triton")])(state, *tokens, slots).mlir_module()
+  assert text.count('name = "deltajax_verify"') == 1
+  assert ("gather" in text, "scatter" in text) == (False, False)
 
 
 def test_commit_writes_the_last_accepted_state():
