@@ -116,6 +116,19 @@ def _kernel_names(jaxpr):
   return names
 
 
+def _selects(jaxpr, shape):
+  """How many ``select_n`` of ``shape`` a jaxpr holds (nested jaxprs too)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += (eqn.primitive.name == "select_n"
+              and tuple(eqn.outvars[0].aval.shape) == tuple(shape))
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", None)
+      if inner is not None:
+        count += _selects(getattr(inner, "jaxpr", inner), shape)
+  return count
+
+
 def test_default_path_matches_float64():
   """``impl="mosaic"`` as ``impl="auto"`` runs it on Hopper, outside
   ``jax_enable_x64``: the three-warpgroup scan, reverse pass and
@@ -211,6 +224,14 @@ def test_mosaic_per_channel_segment_ids_match_float64():
   scores' backward (the Pallas pass where the gate falls at a cut)."""
   x = _packed_inputs(43, True, key_dim=64, value_dim=64)
   _check(x, options=dict(segment_ids=SEGMENT_IDS))
+  # The fold is the gradient's one select over a's [B, T, HV, K] (an HBM
+  # pass over the per-channel gate): its transpose is the kernels' mask of
+  # da at the floor.
+  loss = lambda *z: deltajax.gated_delta(
+      *z[:5], initial_state=z[5], impl="mosaic",
+      segment_ids=SEGMENT_IDS).astype(jnp.float32).sum()
+  grad = jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*_args(x))
+  assert _selects(grad.jaxpr, x.a.shape) == 1
 
 
 # Sequences of 1, 0, 63, 64 and 65 tokens: the last two cross chunk borders

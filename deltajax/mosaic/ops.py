@@ -158,7 +158,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       K], write [B, T, HV, V])`` (with W = K).
     initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
     cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
-      into a (:func:`cut_into_gate`).
+      into a (:func:`cut_into_gate`) inside the custom VJP, whose backward
+      gives a's cotangent 0 at the floor, so at every cut.
     chunk_seq: None or int32 ``[T / 64]`` (B = 1): packed sequences.
     scale: Python float multiplying q.
     chunk_size: 64.
@@ -189,8 +190,6 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
   if jnp.dtype(dtype).itemsize != 2:
     raise ValueError(f"impl='mosaic' takes 16-bit q, k and v; got {dtype}")
   b, kr, v = stages.read_keys(b, q, k, v)
-  if cut is not None:
-    a = cut_into_gate(a, cut)
   t_len = q.shape[1]
   n_chunks = t_len // CHUNK
   pieces = config.pieces
@@ -200,8 +199,9 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
     # Chunks of padding (a = 0, beta 0: the state passes as it is) make
     # the automatic pieces divide the chunks.
     padded = common.round_up(n_chunks, pieces) * CHUNK
-    q, k, v, a, b, kr = (None if x is None else common.pad_axis(x, 1, padded)
-                         for x in (q, k, v, a, b, kr))
+    q, k, v, a, b, kr, cut = (
+        None if x is None else common.pad_axis(x, 1, padded)
+        for x in (q, k, v, a, b, kr, cut))
     if chunk_seq is not None:  # the last sequence's
       chunk_seq = jnp.pad(chunk_seq, (0, padded // CHUNK - n_chunks),
                           mode="edge")
@@ -212,7 +212,7 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
                      *(x.astype(dtype) for x in (q, k, v)),
                      a.astype(jnp.float32), b.astype(jnp.float32),
                      initial_state.astype(jnp.float32),
-                     None if kr is None else kr.astype(dtype), chunk_seq)
+                     None if kr is None else kr.astype(dtype), chunk_seq, cut)
   if chunk_seq is not None:  # a sequence without chunks keeps its state
     final = jnp.where(stages.unvisited(chunk_seq, final.shape[0]),
                       initial_state.astype(jnp.float32), final)
@@ -230,11 +230,11 @@ def cut_into_gate(a, cut):
   kernel. The gradient of a at a cut is 0, as below the floor
   (:func:`deltajax.stages.backward`; per channel, the scores' backward).
   A full forget is a cut in the contract too
-  (:meth:`deltajax.common.ChunkGate.of`). Where it falls on a chunk's
+  (:meth:`deltajax.common.ChunkGate.of`). ``cut`` None: a as it is. Where it falls on a chunk's
   first token the scans and reverse passes also select a zero entry state
   and cotangent (:func:`scan.forgets`), so that a non-finite one stays
   behind."""
-  return jnp.where(cut, common.LOG_DECAY_FLOOR, a)
+  return a if cut is None else jnp.where(cut, common.LOG_DECAY_FLOOR, a)
 
 
 def mark_forgets(g_end, a):
@@ -386,16 +386,19 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, save):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq):
+def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq, cut):
   """:func:`gated_delta_mosaic` on 16-bit q, k, v (and read keys kr, or
   None) and float32 a, b and initial state, packed sequences' chunk_seq
-  or None; scale and ``plan`` (the scan's schedule, its pieces) are
-  static."""
-  return _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq,
-                  save=False)[0]
+  or None, cuts or None; scale and ``plan`` (the scan's schedule, its
+  pieces) are static."""
+  return _forward(plan, scale, q, k, v, cut_into_gate(a, cut), b,
+                  initial_state, kr, chunk_seq, save=False)[0]
 
 
-def _fwd(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq):
+def _fwd(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq, cut):
+  # The backward's da is 0 where a is at the floor (stages.backward), so at
+  # the folded cuts: the fold needs no transpose of its own.
+  a = cut_into_gate(a, cut)
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
                                     initial_state, kr, chunk_seq, save=True)
   # The backward runs on the padded inputs: its kernels' widths too.
@@ -538,7 +541,7 @@ def _bwd(scale, plan, residuals, cotangents):
   if dkr is not None:
     dkr = dkr[..., :n_k]
   return (dq[..., :n_k], dk[..., :n_k], dv[..., :n_v], da, db,
-          d_initial[..., :n_k, :n_v], dkr, None)
+          d_initial[..., :n_k, :n_v], dkr, None, None)
 
 
 _mosaic.defvjp(_fwd, _bwd)
