@@ -93,20 +93,26 @@ def rows(gates, batches, impls, reps):
 
 def table(rows, impls, peak) -> str:
   """Markdown: us per step, per step from a pool and per verify call, by
-  implementation, and the floor (bytes / ``peak``) with the first
-  implementation's step as a multiple of it."""
+  implementation; the first implementation's pool and verify over its
+  step; and the floor (bytes / ``peak``) with that step as a multiple of
+  it."""
   cols = [f"{kind}{i}" for i in impls for kind in ("", "pool ", "verify ")]
   names = [f"{kind} {i} (us)" for i in impls
            for kind in ("step", "pool 4B", f"verify T={VERIFY_TOKENS}")]
   head = ("| gate | state | B | " + " | ".join(names)
-          + " | MiB moved | floor (us) | step / floor |")
+          + " | pool / step | verify / step | MiB moved | floor (us) "
+          "| step / floor |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  first = impls[0]
   for r in rows:
     floor = r["bytes"] / peak * 1e6 if peak else None
     cells = [r["gate"], r["state"], str(r["bsz"]),
-             *(f"{r[c]:.1f}" for c in cols), f"{r['bytes'] / 2 ** 20:.2f}",
+             *(f"{r[c]:.1f}" for c in cols),
+             f"{r['pool ' + first] / r[first]:.2f}",
+             f"{r['verify ' + first] / r[first]:.2f}",
+             f"{r['bytes'] / 2 ** 20:.2f}",
              f"{floor:.1f}" if floor else "",
-             f"{r[impls[0]] / floor:.2f}" if floor else ""]
+             f"{r[first] / floor:.2f}" if floor else ""]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
