@@ -218,12 +218,20 @@ def gate_inputs(a, b, cut, chunk_size, dtype):
   gate is irrelevant); beta per value head; the chunk-local cumulative cut
   count (int32 ``[B, HV, T]``, or None; a cut is per token)."""
   a = a.astype(dtype)
-  cuts = None
   if cut is not None:
     a = jnp.where(cut, 0, a)
-    cuts = _chunk_cumsum(jnp.moveaxis(cut[..., 0], 1, 2).astype(jnp.int32),
-                         chunk_size)
-  return a, jnp.transpose(b, (0, 2, 1)).astype(dtype), cuts
+  return (a, jnp.transpose(b, (0, 2, 1)).astype(dtype),
+          cut_counts(cut, chunk_size))
+
+
+def cut_counts(cut, chunk_size):
+  """The chunk-local cumulative count of the cuts ``cut`` (bool ``[B, T, HV,
+  W]``, equal across W: a cut is per token), int32 ``[B, HV, T]``; None
+  for None."""
+  if cut is None:
+    return None
+  return _chunk_cumsum(jnp.moveaxis(cut[..., 0], 1, 2).astype(jnp.int32),
+                       chunk_size)
 
 
 def gates(a, b, cut, chunk_size, dtype, k_dim, interpret, *, from_start=(),

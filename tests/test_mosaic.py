@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import deltajax
+from deltajax import common
 from deltajax import pallas
 from deltajax import mosaic
 from deltajax.mosaic import chunk_backward
@@ -221,17 +222,23 @@ def test_mosaic_segment_ids_match_float64():
 def test_mosaic_per_channel_segment_ids_match_float64():
   """segment_ids with KDA's gate: the Pallas scores and T take the folded
   cuts as full forgets, the Mosaic GPU scan, reverse pass, ut_backward and
-  scores' backward (the Pallas pass where the gate falls at a cut)."""
+  scores' backward; the scores' kernels unfold the gate between the cuts
+  and mask the pairs across them, so that the whole-chunk passes take the
+  chunks with cuts (the Pallas passes by blocks only where the gate falls
+  steeply between cuts)."""
   x = _packed_inputs(43, True, key_dim=64, value_dim=64)
   _check(x, options=dict(segment_ids=SEGMENT_IDS))
-  # The fold is the gradient's one select over a's [B, T, HV, K] (an HBM
-  # pass over the per-channel gate): its transpose is the kernels' mask of
-  # da at the floor.
+  # No select over a's [B, T, HV, K] (an HBM pass over the per-channel
+  # gate): the gate's kernel folds the cuts in, and the scores' backward
+  # gives da 0 at them, exactly.
   loss = lambda *z: deltajax.gated_delta(
       *z[:5], initial_state=z[5], impl="mosaic",
       segment_ids=SEGMENT_IDS).astype(jnp.float32).sum()
-  grad = jax.make_jaxpr(jax.grad(loss, argnums=range(6)))(*_args(x))
-  assert _selects(grad.jaxpr, x.a.shape) == 1
+  grad = jax.grad(loss, argnums=range(6))
+  assert _selects(jax.make_jaxpr(grad)(*_args(x)).jaxpr, x.a.shape) == 0
+  da = np.asarray(jax.jit(grad)(*_args(x))[3])
+  starts = np.asarray(common.segment_starts(jnp.asarray(SEGMENT_IDS)))
+  assert np.all(da[starts] == 0) and np.all(da[~starts] != 0)
 
 
 # Sequences of 1, 0, 63, 64 and 65 tokens: the last two cross chunk borders
@@ -512,6 +519,23 @@ def test_packed_lowers_for_the_gpu(per_channel, x64, pieces, monkeypatch, hopper
   with jax.enable_x64(x64):
     jax.jit(jax.grad(loss, argnums=range(6))).trace(
         *args, states, chunk_seq).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+def test_cuts_lower_for_the_gpu(per_channel, monkeypatch, hopper):
+  """Cuts (``segment_ids``) forward and backward lower for CUDA on the
+  default path: per channel, the scores' backward with the cut counts
+  (their per-row and per-column loads, the sums over the square's columns
+  that find each row's segment)."""
+  args = _compiled_inputs(monkeypatch, 256, 1, 2, 128, per_channel)
+  cut = jax.ShapeDtypeStruct(args[3].shape, jnp.bool_)
+
+  def loss(*x):
+    o, final = mosaic.gated_delta_mosaic(*x, None, scale=0.1, chunk_size=64)
+    return o.astype(jnp.float32).sum() + final.sum()
+
+  jax.jit(jax.grad(loss, argnums=range(6))).trace(*args, cut).lower(
+      lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("packed", [utils.slow(False, id="rows"),

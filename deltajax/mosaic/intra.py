@@ -108,17 +108,35 @@ def _value_blocks(mg, refs, at, bar, block_bar, prepare):
   return pl.run_scoped(scope, tile, tile, core.smem((KB, BV), s_ref.dtype))
 
 
-def _body(mg, *refs, groups, scale, out_dtype, read_keys):
+def _cuts(mg, n_rows, n_cols):
+  """``(n_i - n_0, n_i > n_{i-1}, n_{C-1} - n_0)`` per row (ROWS) of a
+  chunk's cut counts ``n``, given per row (ROWS) and per column (COLS): the
+  cuts after its first token up to each token, whether the token is a cut
+  (``n_{-1} = 0``), the cuts after its first token; by sums over a
+  square's columns."""
+  square = (n_rows.shape[0], n_cols.shape[0])
+  rows, cols = mg.iota(square, 0), mg.iota(square, 1)
+  n = lax.broadcast_in_dim(n_cols, square, [1])
+  at = lambda j: jnp.sum(jnp.where(cols == j, n, 0.0), axis=1)
+  first = at(0)
+  return n_rows - first, n_rows > at(rows - 1), at(square[1] - 1) - first
+
+
+def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
   """One chunk's 64 key channels; with ``read_keys`` (Gated DeltaNet-2),
   A's row keys kr and the other kernels' share of their cotangent after the
   other inputs, kr's cotangent after the other outputs and kr's tile after
-  the other tiles."""
-  n_in, n_out = 11 + 2 * read_keys, 4 + read_keys
+  the other tiles; with ``folded``, the cut counts after those inputs and
+  their tile after those tiles."""
+  n_in = 11 + 2 * read_keys + folded
+  n_out = 4 + read_keys
   (q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref, dm_ref,
-   dkin_ref, dgin_ref, *read_in) = refs[:n_in]
+   dkin_ref, dgin_ref, *rest_in) = refs[:n_in]
+  read_in, cuts_ref = rest_in[:2 * read_keys], rest_in[2 * read_keys:]
   dq_ref, dk_ref, da_ref, db_ref, *dkr_ref = refs[n_in:n_in + n_out]
   (q_s, k_s, g_s, kd_s, qu_s, bku_s, dp_s, dm_s, g_first, g_last, a_first,
-   b_s, db_s, bar, block_bar, late_bar, *kr_s) = refs[n_in + n_out:]
+   b_s, db_s, bar, block_bar, late_bar, *rest_s) = refs[n_in + n_out:]
+  kr_s, cuts_s = rest_s[:read_keys], rest_s[read_keys:]
   bi, n = lax.axis_index("b"), lax.axis_index("n")
   blocks = q_ref.shape[3] // KB
   h, m = lax.div(lax.axis_index("h"), blocks), lax.rem(lax.axis_index("h"),
@@ -133,26 +151,48 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys):
                 (b_ref.at[bi, h, tokens], b_s),
                 (dm_ref.at[bi, h, tokens], dm_s),
                 *(((read_in[0].at[bi, tokens, h, channels], kr_s[0]),)
-                  if read_keys else ())), bar)
+                  if read_keys else ()),
+                *(((cuts_ref[0].at[bi, h, tokens], cuts_s[0]),)
+                  if folded else ())), bar)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
   load = lambda ref: mg.load(ref, WGMMA).astype(jnp.float32)
   row_keys = kr_s[0] if read_keys else k_s  # A's row keys
 
-  def reference():
-    """r, the midpoint of the gate's range per channel, in every row."""
-    return on_keys((mg.load(g_first, COLS) + mg.load(g_last, COLS)) / 2)
+  def segments():
+    """:func:`_cuts` of the chunk's cut counts."""
+    return _cuts(mg, mg.load(cuts_s[0], ROWS), mg.load(cuts_s[0], COLS))
+
+  def pairs(strict):
+    """The pairs of tokens that carry a score: ``j <= i`` (``strict``: ``j
+    < i``), with ``folded`` cuts in one segment."""
+    keep = rows > cols if strict else rows >= cols
+    if folded:
+      keep &= (core.rows(mg.load(cuts_s[0], ROWS), square)
+               == lax.broadcast_in_dim(mg.load(cuts_s[0], COLS), square, [1]))
+    return keep
+
+  def unfolded(g):
+    """``(g, r)``: the gate ``g`` and r, the midpoint of its range per
+    channel, in every row; with ``folded`` cuts, both without their full
+    forgets (:func:`deltajax.pallas.intra._unfolded`)."""
+    r = on_keys((mg.load(g_first, COLS) + mg.load(g_last, COLS)) / 2)
+    if not folded:
+      return g, r
+    later, _, folds = segments()
+    floor = common.LOG_DECAY_FLOOR
+    return (g - floor * core.rows(later, keys),
+            r - floor / 2 * core.rows(folds, keys))
 
   def prepare():
     """The decayed operands' tiles, and dM masked to its pairs in place."""
-    r, beta = reference(), core.rows(mg.load(b_s, ROWS), keys)
-    g = mg.load(g_s, WGMMA)
+    (g, r), beta = unfolded(mg.load(g_s, WGMMA)), core.rows(mg.load(b_s, ROWS), keys)
     up = jnp.exp(g - r)
     kd_s[...] = (load(k_s) * jnp.exp(r - g)).astype(kd_s.dtype)
     qu_s[...] = (scale * up * load(q_s)).astype(qu_s.dtype)
     bku_s[...] = (beta * load(row_keys) * up).astype(bku_s.dtype)
-    dm_s[...] = jnp.where(rows > cols, load(dm_s), 0.0).astype(dm_s.dtype)
+    dm_s[...] = jnp.where(pairs(True), load(dm_s), 0.0).astype(dm_s.dtype)
 
   d_p, read = _value_blocks(mg, (do_ref, delta_ref, s_ref),
                             (bi, n, h, channels), bar, block_bar, prepare)
@@ -166,15 +206,16 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys):
                   (dgin_ref.at[bi, h, tokens, channels], dgin_s),
                   *(((read_in[1].at[bi, tokens, h, channels], dkrin_s),)
                     if read_keys else ())), late_bar)
-    dp_s[...] = jnp.where(rows >= cols, d_p, 0.0).astype(dp_s.dtype)
+    dp_s[...] = jnp.where(pairs(False), d_p, 0.0).astype(dp_s.dtype)
     plgpu.commit_smem()
     dq, u, dy = mg.products([
         ([(dp_s, kd_s)], keys, None),
         ([(dm_s, kd_s)], keys, None),
         ([(core.T(dp_s), qu_s), (core.T(dm_s), bku_s)], keys, None)])
-    r, g = reference(), mg.load(g_s, WGMMA)
+    g_folded = mg.load(g_s, WGMMA)
+    g, r = unfolded(g_folded)
     up = jnp.exp(g - r)
-    dq = scale * (up * dq + jnp.exp(g) * read)
+    dq = scale * (up * dq + jnp.exp(g_folded) * read)
     q_dq = load(q_s) * dq  # q is read: its tile stages a 16-bit dq
     dq_s[...] = dq.astype(dq_s.dtype)
     plgpu.commit_smem()
@@ -209,9 +250,13 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys):
                                                      channels])
     (da,) = mg.products([([(dm_s, qu_s), (dm_s, bku_s)], keys, None)])
     # g_0 = max(a_0, floor): a_0's cotangent is 0 below the floor (the later
-    # tokens' a are above it where the gate falls gently).
+    # tokens' a are above it where the gate falls gently, but at the folded
+    # cuts, whose cotangent is 0).
     floored = on_keys(mg.load(a_first, COLS)) <= common.LOG_DECAY_FLOOR
-    dgin_s[...] = jnp.where((mg.iota(keys, 0) == 0) & floored, 0.0, da)
+    zero = (mg.iota(keys, 0) == 0) & floored
+    if folded:
+      zero |= core.rows(segments()[1], keys)
+    dgin_s[...] = jnp.where(zero, 0.0, da)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dgin_s, da_ref.at[bi, tokens, h, channels])
     plgpu.wait_smem_to_gmem(0)
@@ -223,7 +268,7 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys):
 
 
 def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
-             dkr=None, *, scale):
+             dkr=None, cuts=None, *, scale):
   """The scores' and the output's VJP of every chunk through its gate's
   midpoint (valid where the gate falls gently), added to the other
   kernels' shares.
@@ -240,6 +285,13 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
     kr, dkr: None, or A's row keys ``[B, T, HV, K]`` in q's dtype (Gated
       DeltaNet-2's read keys) and the other kernels' share of their
       cotangent (float32).
+    cuts: None, or ``[B, HV, T]`` float32: the chunk-local cumulative count
+      of the cuts folded into g (a full forget at each,
+      :func:`deltajax.pallas.intra.forward`'s ``folded``): each chunk's
+      gate is unfolded between them, its scores' pairs across a cut masked
+      and da 0 at a cut (:func:`deltajax.pallas.intra.backward`'s
+      ``folded``), so that a chunk whose gate falls gently between its cuts
+      is taken whole.
     scale: Python float multiplying q.
 
   Returns:
@@ -262,11 +314,11 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
   keys, square = (C, KB), (C, C)
   vec, key_vec = plgpu.SMEM((C,), f32), plgpu.SMEM((KB,), f32)
   tile, operand = core.smem(keys, dtype), core.smem(keys, OPERANDS)
-  read_keys = kr is not None
+  read_keys, folded = kr is not None, cuts is not None
   scratch = [tile, tile, core.smem(keys, f32), operand, operand, operand,
              core.smem(square, OPERANDS), core.smem(square, OPERANDS),
              key_vec, key_vec, key_vec, vec, vec,
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + read_keys),
+             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + read_keys + folded),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
              plgpu.Barrier(num_arrivals=2 + read_keys)]
   read_in = ()
@@ -274,8 +326,12 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
     out_type.append(jax.ShapeDtypeStruct(per_head, f32))
     scratch.append(tile)
     read_in = (kr, dkr)
+  if folded:
+    scratch.append(vec)
+    read_in += (cuts,)
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
-                             out_dtype=out_dtype, read_keys=read_keys)
+                             out_dtype=out_dtype, read_keys=read_keys,
+                             folded=folded)
   return mg.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(bsz, t_len // C, heads * (d // KB)), grid_names=("b", "n", "h"),

@@ -237,12 +237,15 @@ def cut_into_gate(a, cut):
   return a if cut is None else jnp.where(cut, common.LOG_DECAY_FLOOR, a)
 
 
-def mark_forgets(g_end, a):
+def mark_forgets(g_end, a, cuts):
   """Per channel: the gate at each chunk's end ``g_end [B, HV, T / C, K]``
   at ``-inf`` where the chunk's first token is a full forget (``a [B, T,
-  HV, K]`` at :data:`common.LOG_DECAY_FLOOR`), its decay still 0: the
-  kernels select a zero state there (:func:`scan.forgets`)."""
+  HV, K]`` at :data:`common.LOG_DECAY_FLOOR`, or a cut of the counts
+  ``cuts``, :func:`_folded`), its decay still 0: the kernels select a
+  zero state there (:func:`scan.forgets`)."""
   first = jnp.moveaxis(a[:, ::CHUNK], 1, 2) <= common.LOG_DECAY_FLOOR
+  if cuts is not None:
+    first |= (cuts[:, :, ::CHUNK] > 0)[..., None]
   return jnp.where(first, -jnp.inf, g_end)
 
 
@@ -293,15 +296,17 @@ def _inverse(mg, k, g, beta, heads):
       interpret=mg.interpret, dot=config.dot)
 
 
-def _per_channel_inputs(scale, q, k, kr, a, b, *, keep_g):
+def _per_channel_inputs(scale, q, k, kr, a, b, cuts, *, keep_g):
   """The per-channel scan's inputs from
   :func:`deltajax.pallas.ops.before_scan`: ``(Q e^g, Kr e^g, g at each
   chunk's end [B, HV, T / C, K], beta, T, (K e^{g_C - g}, P), g_whole)``
   (Kr: the read keys kr, or K), P ``[B, HV, T, C]`` float32 with the
-  scale; g_whole: with ``keep_g``, g ``[B, HV, T, K]``, else None."""
+  scale; g_whole: with ``keep_g``, g ``[B, HV, T, K]``, else None.
+  ``cuts``: the counts of the cuts that the gate's kernel folds in
+  (:func:`_folded`)."""
   g_end, beta, _, (qg, kg, kd), t, p, g = pallas_ops.before_scan(
       scale, CHUNK, _pallas_config(), q, k, kr, a, b, None,
-      heads=a.shape[2], dtype=jnp.float32, keep_g=keep_g)
+      heads=a.shape[2], dtype=jnp.float32, keep_g=keep_g, folded=cuts)
   return qg, kg, g_end, beta, t, (kd, p), g
 
 
@@ -339,9 +344,11 @@ def _padded(q, k, v, a, initial_state, kr):
           stages.pad_state(initial_state, kw, vw), stages.pad_keys(kr, k))
 
 
-def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, save):
+def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, cuts,
+             save):
   """The outputs and, with ``save``, the backward's residuals, on inputs
-  padded by :func:`_padded`; ``chunk_seq``: packed sequences, or None."""
+  padded by :func:`_padded`; ``chunk_seq``: packed sequences, or None;
+  ``cuts``: :func:`_folded`."""
   schedule, pieces = plan
   mg = _mosaic_gpu()
   n_k, n_v = q.shape[-1], v.shape[-1]
@@ -349,8 +356,8 @@ def _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq, save):
   g_whole = None
   if a.shape[-1] > 1:
     q, k, g, beta, t, channel, g_whole = _per_channel_inputs(
-        scale, q, k, kr, a, b, keep_g=save)
-    g = mark_forgets(g, a)
+        scale, q, k, kr, a, b, cuts, keep_g=save)
+    g = mark_forgets(g, a, cuts)
   else:
     g, beta, _, _ = stages.gates(a, b, None, CHUNK, jnp.float32,
                                  q.shape[-1], mg.interpret)
@@ -391,21 +398,37 @@ def _mosaic(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq, cut):
   None) and float32 a, b and initial state, packed sequences' chunk_seq
   or None, cuts or None; scale and ``plan`` (the scan's schedule, its
   pieces) are static."""
-  return _forward(plan, scale, q, k, v, cut_into_gate(a, cut), b,
-                  initial_state, kr, chunk_seq, save=False)[0]
+  a, cuts = _folded(a, cut)
+  return _forward(plan, scale, q, k, v, a, b, initial_state, kr, chunk_seq,
+                  cuts, save=False)[0]
 
 
 def _fwd(scale, plan, q, k, v, a, b, initial_state, kr, chunk_seq, cut):
   # The backward's da is 0 where a is at the floor (stages.backward), so at
-  # the folded cuts: the fold needs no transpose of its own.
-  a = cut_into_gate(a, cut)
+  # the cuts folded into a per head, and at those folded into g per channel
+  # (the scores' backward): the fold needs no transpose of its own.
+  a, cuts = _folded(a, cut)
   outputs, (saved, maps) = _forward(plan, scale, q, k, v, a, b,
-                                    initial_state, kr, chunk_seq, save=True)
+                                    initial_state, kr, chunk_seq, cuts,
+                                    save=True)
   # The backward runs on the padded inputs: its kernels' widths too.
   q, k, v, a, initial_state, kr = _padded(q, k, v, a, initial_state, kr)
   return outputs, (stages.Residuals(q, k, v, a, b, initial_state, cut=None,
                                     chunk_seq=chunk_seq, kr=kr, **saved),
-                   maps)
+                   maps, cuts)
+
+
+def _folded(a, cut):
+  """``(a, cuts)``: per head, a with the cuts folded in
+  (:func:`cut_into_gate`) and None; per channel, a as it is and the cut
+  counts (:func:`deltajax.stages.cut_counts`, ``[B, HV, T]``, or None):
+  the Pallas kernels that form the gate fold them in
+  (:func:`deltajax.pallas.intra.forward`'s ``folded``), with no pass of
+  their own over a, and the scores' kernels, forward and backward, unfold
+  it between the cuts (the rest take the folded gate alone)."""
+  if a.shape[-1] == 1:
+    return cut_into_gate(a, cut), None
+  return a, stages.cut_counts(cut, CHUNK)
 
 
 def _bounds(chunk_seq):
@@ -437,7 +460,7 @@ def _output(mg, *, q, k, g, states, delta, d_o, scale, fused, **_):
 
 
 def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
-             decayed, chunk_seq, maps, a, **_):
+             decayed, chunk_seq, maps, a, folded, **_):
   """:func:`reverse.backward`: per channel (``decayed``: ``(Q e^g, K
   e^{g_C - g})``; g at each chunk's end) those in place of q and k;
   :func:`reverse.specialized` where W is left to it (w None: it forms W
@@ -457,7 +480,7 @@ def _reverse(mg, *, q, k, w, t, b, g, d_o, d_delta_local, d_final, scale,
   else:
     if decayed is not None:
       q, k = decayed
-      g = mark_forgets(g, a)
+      g = mark_forgets(g, a, folded)
     run = functools.partial(reverse.backward, mg, q, k, w, g, d_o,
                             d_delta_local, scale=scale,
                             per_channel=decayed is not None, **sequences)
@@ -506,13 +529,17 @@ def _ut(mg, *, k, v, g, b, t, states, d_next, delta, d_delta, dk_out,
                                  d_delta, dk_out, dg_out, kr)
 
 
-def _intra(mg, **kwargs):
+def _intra(mg, *, folded=None, **kwargs):
   """:func:`intra.backward` for every chunk, then the Pallas
   :func:`deltajax.pallas.intra.backward` by blocks where the gate is not
-  gentle (its arguments)."""
-  done = intra.backward(mg, *(kwargs[n] for n in _INTRA_ARGS),
-                        scale=kwargs["scale"])
-  return pallas_intra.backward(**kwargs, done=done)
+  gentle (its arguments); ``folded``: the counts of the cuts folded into
+  g (:func:`_folded`), or None."""
+  done = intra.backward(
+      mg, *(kwargs[n] for n in _INTRA_ARGS),
+      cuts=None if folded is None else folded.astype(jnp.float32),
+      scale=kwargs["scale"])
+  return pallas_intra.backward(**{**kwargs, "cuts": folded}, done=done,
+                               folded=folded is not None)
 
 
 _INTRA_ARGS = ("q", "k", "g", "b", "a", "states", "d_o", "delta", "d_m",
@@ -521,7 +548,7 @@ _INTRA_ARGS = ("q", "k", "g", "b", "a", "states", "d_o", "delta", "d_m",
 
 def _bwd(scale, plan, residuals, cotangents):
   schedule, _ = plan
-  residuals, maps = residuals
+  residuals, maps, cuts = residuals
   mg = _mosaic_gpu()
   # The three-warpgroup scan's backward: W and dDelta_local formed in the
   # reverse pass, the output's backward in chunk_backward.
@@ -531,9 +558,9 @@ def _bwd(scale, plan, residuals, cotangents):
           w_u=functools.partial(_w_u, mg, fused=fused),
           output_backward=functools.partial(_output, mg, fused=fused),
           reverse=functools.partial(_reverse, mg, maps=maps,
-                                    a=residuals.a),
+                                    a=residuals.a, folded=cuts),
           ut_backward=functools.partial(_ut, mg),
-          intra_backward=functools.partial(_intra, mg)),
+          intra_backward=functools.partial(_intra, mg, folded=cuts)),
       scale, CHUNK, _pallas_config(), residuals, cotangents)
   n_k, n_v = cotangents[1].shape[-2:]  # the head dims before padding
   if da.shape[-1] > 1:

@@ -71,20 +71,63 @@ def _is_gentle(g_ref, start, ks=slice(None), span=SUB):
   return jnp.max(fall) <= SPAN
 
 
-def _is_gentle_chunk(g_ref):
-  """Whether the gate falls by at most SPAN over the chunk, every channel."""
-  return _is_gentle(g_ref, 0, span=g_ref.shape[0])
+def _later_cuts(cuts):
+  """The cut counts ``[C]`` of a chunk less its first token's: the cuts
+  after it."""
+  return cuts - jnp.sum(jnp.where(core.iota(cuts.shape, 0) == 0, cuts, 0))
 
 
-def _first_gate(a_ref, ks=slice(None)):
-  """The chunk's first cumulative gate ``g_0 = a_0`` (floored), ``[1, k]``."""
-  return common.floored(_row(a_ref, 0, ks))
+def _folds(cuts_ref, folded):
+  """The cuts folded into the chunk's gate after its first token (0 unless
+  ``folded``): each takes :data:`common.LOG_DECAY_FLOOR` off the gate."""
+  return core.last(_later_cuts(cuts_ref[...])) if folded else 0
 
 
-def _falls_gently(first, end):
+def _unfolded(g, cuts, folded):
+  """The gate ``g [C, k]`` without the full forgets of the cuts folded into
+  it after the chunk's first token (``folded``; ``cuts [C]`` its cut
+  counts ``n``): ``g - FLOOR (n - n_0)``, the gate of the unfolded inputs
+  from there on.
+  The scores are factored through it, every pair across a cut masked; g
+  itself where nothing is folded."""
+  if not folded:
+    return g
+  return g - common.LOG_DECAY_FLOOR * _later_cuts(cuts).astype(g.dtype)[:,
+                                                                        None]
+
+
+def _is_gentle_chunk(g_ref, cuts_ref, folded):
+  """Whether the gate (unfolded: :func:`_unfolded`) falls by at most SPAN
+  over the chunk, every channel."""
+  return _falls_gently(_row(g_ref, 0), _row(g_ref, g_ref.shape[0] - 1),
+                       _folds(cuts_ref, folded))
+
+
+def _cut_tokens(cuts_ref, start, size):
+  """Whether each of the ``size`` tokens from ``start`` is a cut, ``[size]``:
+  its cut count above the token's before it (0 before the chunk)."""
+  n = cuts_ref[...]
+  i = start + core.iota((size, n.shape[0]), 0)
+  before = jnp.sum(jnp.where(core.iota(i.shape, 1) == i - 1, n[None, :], 0),
+                   axis=1)
+  return cuts_ref[pl.ds(start, size)] > before
+
+
+def _first_gate(a_ref, ks=slice(None), cuts_ref=None, folded=False):
+  """The chunk's first cumulative gate ``g_0 = a_0`` (floored; the floor
+  where a cut is folded there), ``[1, k]``."""
+  g = common.floored(_row(a_ref, 0, ks))
+  if folded:
+    g = jnp.where(cuts_ref[pl.ds(0, 1)][:, None] > 0,
+                  common.LOG_DECAY_FLOOR, g)
+  return g
+
+
+def _falls_gently(first, end, folds):
   """:func:`_is_gentle_chunk` from the gate's first ``[1, k]`` and last
-  ``[k]`` values (both passes of :func:`forward` decide it from these)."""
-  return jnp.max(first - end) <= SPAN
+  ``[k]`` values and the cuts ``folds`` folded in after the first token
+  (both passes of :func:`forward` decide it from these)."""
+  return jnp.max(first - end) + common.LOG_DECAY_FLOOR * folds <= SPAN
 
 
 def _row_reference(g_ref, start, gentle, ks=slice(None)):
@@ -131,9 +174,14 @@ def _diagonal_columns(g_ref, y_ref, start, ks, step, init):
   return lax.fori_loop(0, SUB, column, init)
 
 
-def _cumulative_gate(a_ref, ks, dtype):
-  """``g = cumsum(a)`` over the chunk's tokens (a floored), channels ks."""
-  return jnp.cumsum(common.floored(a_ref[:, ks].astype(dtype)), axis=0)
+def _cumulative_gate(a_ref, ks, dtype, cuts_ref=None, folded=False):
+  """``g = cumsum(a)`` over the chunk's tokens (a floored; with ``folded``,
+  the floor at the cuts of ``cuts_ref``), channels ks."""
+  a = common.floored(a_ref[:, ks].astype(dtype))
+  if folded:
+    a = jnp.where(_cut_tokens(cuts_ref, 0, a.shape[0])[:, None],
+                  common.LOG_DECAY_FLOOR, a)
+  return jnp.cumsum(a, axis=0)
 
 
 def _store_decayed(g, g_end, cuts, ks, counts, decayed):
@@ -278,7 +326,7 @@ def _forward_by_blocks(*, start, q_ref, k_ref, kr_ref, g_ref, cuts_ref,
 
 def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
                             g_end_ref, kk_ref, p_ref, counts, scale, dot,
-                            block_k, every_g, **decayed):
+                            block_k, every_g, folded, **decayed):
   """The forward's first pass over one chunk: its cumulative gate, the
   operands decayed by it (:func:`_store_decayed`), the gate at its end, and
   its scores where the gate is gentle (:func:`_forward_whole_chunk`); where
@@ -286,11 +334,13 @@ def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
   ``every_g``)."""
   cuts = None if cuts_ref is None else cuts_ref[...]
   blocks = core.blocks(a_ref.shape[1], block_k)
-  gates = [_cumulative_gate(a_ref, ks, g_ref.dtype) for ks in blocks]
+  gates = [_cumulative_gate(a_ref, ks, g_ref.dtype, cuts_ref, folded)
+           for ks in blocks]
   ends = [core.last(g) for g in gates]
+  folds = _folds(cuts_ref, folded)
+  first = lambda ks: _first_gate(a_ref, ks, cuts_ref, folded)
   gentle = functools.reduce(jnp.logical_and, [
-      _falls_gently(_first_gate(a_ref, ks), end)
-      for ks, end in zip(blocks, ends)])
+      _falls_gently(first(ks), end, folds) for ks, end in zip(blocks, ends)])
   for ks, g, end in zip(blocks, gates, ends):
     g_end_ref[ks] = end
     _store_decayed(g, end, cuts, ks, counts, decayed)
@@ -301,16 +351,19 @@ def _gate_and_scores_kernel(*, a_ref, cuts_ref, q_ref, k_ref, kr_ref, g_ref,
       store_g()
     else:
       pl.when(~gentle)(store_g)
+  # The midpoint of the unfolded gate's range: g_0 and g_C - FLOOR folds.
   pl.when(gentle)(lambda: _forward_whole_chunk(
       q_ref=q_ref, k_ref=k_ref, kr_ref=k_ref if kr_ref is None else kr_ref,
-      gates=[(ks, g, (_first_gate(a_ref, ks) + end) / 2)
+      gates=[(ks, _unfolded(g, cuts, folded),
+              (first(ks) + end
+               - common.LOG_DECAY_FLOOR * folds) / 2)
              for ks, g, end in zip(blocks, gates, ends)],
       cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot))
 
 
 def _scores_by_blocks_kernel(*, a_ref, g_end_ref, q_ref, k_ref, kr_ref,
                              g_ref, cuts_ref, kk_ref, p_ref, scale, dot,
-                             block_k, **done):
+                             block_k, folded, **done):
   """The forward's second pass: a chunk whose gate is not gentle, block of
   rows by block (one program per chunk: most chunks exit at once);
   ``done`` (the first pass's scores, aliased to this pass's) is not read."""
@@ -323,7 +376,9 @@ def _scores_by_blocks_kernel(*, a_ref, g_end_ref, q_ref, k_ref, kr_ref,
         cuts_ref=cuts_ref, kk_ref=kk_ref, p_ref=p_ref, scale=scale, dot=dot,
         block_k=block_k)
     return carry
-  gentle = _falls_gently(_first_gate(a_ref), g_end_ref[...])
+  gentle = _falls_gently(_first_gate(a_ref, cuts_ref=cuts_ref,
+                                     folded=folded),
+                         g_end_ref[...], _folds(cuts_ref, folded))
 
   @pl.when(~gentle)
   def _():
@@ -385,11 +440,12 @@ def _store_dq(refs, rows, dq_p, scale, dot):
   return refs["dg_in"][rows, :] + refs["q"][rows, :].astype(dq.dtype) * dq
 
 
-def _finish(refs, rows, dg, u, dy, later, dot):
+def _finish(refs, rows, dg, u, dy, later, dot, folded):
   """Stores ``rows``' dk (and dkr), db and da from their gate cotangent so
   far ``dg`` (:func:`_store_dq`), A's row side ``u`` and the column sides
-  ``dy``; ``later``: the gate's cotangent summed over the rows after these.
-  Returns it summed over ``rows`` too."""
+  ``dy``; ``later``: the gate's cotangent summed over the rows after these;
+  ``folded``: da is 0 at the cuts folded into g too. Returns it summed over
+  ``rows`` too."""
   acc = u.dtype
   k = refs["k"][rows, :].astype(acc)
   dk_a = refs["b"][rows].astype(acc)[:, None] * u  # A's row keys' share
@@ -409,6 +465,9 @@ def _finish(refs, rows, dg, u, dy, later, dot):
   da = core.reverse_cumsum(dg, dot) + later
   if refs["a"] is not None:  # 0 below the floor, where a is clamped
     da = jnp.where(refs["a"][rows, :] > common.LOG_DECAY_FLOOR, da, 0)
+  if folded:
+    da = jnp.where(_cut_tokens(refs["cuts"], rows.start, rows.size)[:, None],
+                   0, da)
   refs["da"][rows, :] = da
   return later + jnp.sum(dg, axis=0)[None, :]
 
@@ -429,17 +488,20 @@ def _masked_cotangents(refs, rows, cols, at, dot):
                        (refs["dm"][at].astype(d_p.dtype), True))]
 
 
-def _backward_whole_chunk(refs, *, scale, dot):
+def _backward_whole_chunk(refs, *, scale, dot, folded):
   """The chunk's VJP through one reference, the midpoint ``r`` of the
   gate's range (every factor at most ``e^{SPAN / 2}``): ``dq_P = scale (dP
   (K e^{r - g})) e^{g - r}``, ``u = (dM (K e^{r - g})) e^{g - r}``, ``dy =
-  (dP^T (scale Q e^{g - r}) + dM^T (diag(b) K e^{g - r})) e^{r - g}``."""
-  g_ref = refs["g"]
+  (dP^T (scale Q e^{g - r}) + dM^T (diag(b) K e^{g - r})) e^{r - g}``, g
+  unfolded (:func:`_unfolded`)."""
+  g_ref, cuts_ref = refs["g"], refs["cuts"]
   c = g_ref.shape[0]
   acc = _acc(g_ref)
   mm = dot.of_float32(refs["k"].dtype)
-  g = g_ref[...].astype(acc)
-  r = (_row(g_ref, 0) + _row(g_ref, c - 1)) / 2
+  g = _unfolded(g_ref[...].astype(acc),
+                None if cuts_ref is None else cuts_ref[...], folded)
+  r = (_row(g_ref, 0) + _row(g_ref, c - 1)
+       - common.LOG_DECAY_FLOOR * _folds(cuts_ref, folded)) / 2
   up, down = jnp.exp(g - r), jnp.exp(r - g)
   # In this order, with dq stored first, fewer [C, k] float32 values are
   # live at once (registers).
@@ -453,10 +515,10 @@ def _backward_whole_chunk(refs, *, scale, dot):
   kr = _row_keys(refs, refs["k"][...].astype(acc), ...)
   dy = (mm(d_p, scale * q * up, trans_a=True)
         + mm(d_m, beta * kr * up, trans_a=True)) * down
-  _finish(refs, pl.ds(0, c), dg, u, dy, 0, dot)
+  _finish(refs, pl.ds(0, c), dg, u, dy, 0, dot, folded)
 
 
-def _backward_by_blocks(refs, *, scale, dot):
+def _backward_by_blocks(refs, *, scale, dot, folded):
   """The chunk's VJP block by block (last first), each through the
   references of :func:`_row_reference` and :func:`_column_reference`, the
   diagonal tile exactly where the block's gate is not gentle."""
@@ -491,11 +553,11 @@ def _backward_by_blocks(refs, *, scale, dot):
             grads=grads),
         grads)
     return _finish(refs, rows, _store_dq(refs, rows, scale * dq_p, scale, dot),
-                   u, dy, later, dot)
+                   u, dy, later, dot, folded)
   lax.fori_loop(0, c // SUB, block, jnp.zeros((1, width), acc))
 
 
-def _backward_kernel(*, whole_chunk, scale, dot, **refs):
+def _backward_kernel(*, whole_chunk, scale, dot, folded, **refs):
   """One chunk, the key channels of one block (q, k, g and the dq, dk, dg
   refs ``[C, k]``), where the chunk's gate is gentle (``whole_chunk``) or
   where it is not; db's share of these channels.
@@ -509,11 +571,13 @@ def _backward_kernel(*, whole_chunk, scale, dot, **refs):
   pass's outputs, aliased to this pass's) are not read.
   """
   refs = {name[:-len("_ref")]: ref for name, ref in refs.items()}
-  gentle = _is_gentle_chunk(refs["g"])
+  gentle = _is_gentle_chunk(refs["g"], refs["cuts"], folded)
   if whole_chunk:
-    pl.when(gentle)(lambda: _backward_whole_chunk(refs, scale=scale, dot=dot))
+    pl.when(gentle)(lambda: _backward_whole_chunk(refs, scale=scale, dot=dot,
+                                                  folded=folded))
   else:
-    pl.when(~gentle)(lambda: _backward_by_blocks(refs, scale=scale, dot=dot))
+    pl.when(~gentle)(lambda: _backward_by_blocks(refs, scale=scale, dot=dot,
+                                                 folded=folded))
 
 
 def _chunk_rows(chunk_size, groups, width):
@@ -535,7 +599,8 @@ def _chunk_rows(chunk_size, groups, width):
 
 
 def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
-            dot, kr=None, from_start=(), to_end=(), keep_g=False):
+            dot, kr=None, from_start=(), to_end=(), keep_g=False,
+            folded=False):
   """The chunk-local gate and the intra-chunk scores of every chunk, with
   the operands decayed by the gate (:func:`chunk_gates`' work, fused: g is
   written whole only with ``keep_g``).
@@ -547,7 +612,12 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
     per inner product; kr: None, or ``[B, T, HV, K]``: the keys on A's row
     side (Gated DeltaNet-2's erased keys ``b * k``); from_start, to_end: as
     :func:`chunk_gates` takes them; keep_g: g written for every chunk (for
-    the backward), not only where the second pass reads it.
+    the backward), not only where the second pass reads it; folded: the
+    cuts are folded into the gate here (a full forget, a at
+    :data:`common.LOG_DECAY_FLOOR`, at each cut token: g, g_end and the
+    decayed operands are ``impl="mosaic"``'s folded gate's, a as given),
+    and the scores unfold it again between the cuts (:func:`_unfolded`)
+    and mask the pairs across them.
 
   Returns:
     ``(a, p, g_end, starts, ends, g)``: ``[B, HV, T, C]`` float32 (float64 for
@@ -582,7 +652,8 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
   counts = _decayed_specs((("start", from_start), ("end", to_end)), heads,
                           rows, inputs, outputs)
   run = functools.partial(core.call, launch=launch, interpret=interpret,
-                          scale=scale, dot=dot, block_k=launch.block_k or dk)
+                          scale=scale, dot=dot, block_k=launch.block_k or dk,
+                          folded=folded)
   g, g_end, kk, p, *decayed = run(
       _gate_and_scores_kernel, grid=(1, bsz, heads, n), inputs=inputs,
       outputs=outputs, name="deltajax_intra", as_tuple=True, counts=counts,
@@ -605,7 +676,7 @@ def forward(*, q, k, a, cuts, heads, scale, chunk_size, launch, interpret,
 
 def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
              chunk_size, launch, interpret, dot, kr=None, dkr=None, a=None,
-             done=None):
+             done=None, folded=False):
   """The output's VJP (but for ``P^T dO``, :func:`output.delta_backward`)
   and the scores', added to the other kernels' shares.
 
@@ -625,7 +696,10 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
     dk, da, db [K / W, B, HV, T][, dkr])`` formed elsewhere for every chunk
     (:func:`deltajax.mosaic.intra.backward`; W key channels per block of
     db, which must tile ``launch.block_k``'s): this pass then rewrites only
-    the chunks whose gate is not gentle (on a block's channels).
+    the chunks whose gate is not gentle (on a block's channels); folded: g
+    is the gate with the cuts folded in (:func:`forward`'s ``folded``), a
+    as given: g unfolded between the cuts where the chunk is taken whole,
+    da 0 at the cuts.
 
   Returns:
     ``(dq, dk [B, T, HV, K]`` (in q's dtype without GVA, else float32 for the
@@ -666,7 +740,7 @@ def backward(*, q, k, g, b, cuts, states, d_o, delta, d_m, dk, dg, scale,
   run = lambda whole_chunk, inputs, **kw: core.call(
       _backward_kernel, grid=grid, inputs=inputs, outputs=outputs,
       launch=launch, interpret=interpret, scale=scale, dot=dot,
-      whole_chunk=whole_chunk, **kw)
+      whole_chunk=whole_chunk, folded=folded, **kw)
   if done is None:
     done = run(True, inputs, name="deltajax_intra_backward")
   else:  # db's blocks of key channels summed into this pass's wider ones

@@ -123,7 +123,7 @@ def _forward(scale, chunk_size, config, q, k, v, a, b, initial_state, cut,
 
 
 def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
-                dtype, keep_g=False):
+                dtype, keep_g=False, folded=None):
   """The forward's parallel steps before the state scan, on q, k (and the
   read keys kr) padded as :func:`stages.padded` pads them: the gates
   (:func:`stages.gates`; per channel with the intra-chunk scores,
@@ -139,6 +139,12 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
     keys, K without kr) and ``K e^{g_C - g}`` for the scan, ``[B, T, HV,
     K]``; T ``[B, HV, T, C]``; ``p`` (per channel, else None): ``P = scale
     Gamma * Q K^T [B, HV, T, C]``.
+
+  ``folded`` (per channel, with cut None): None, or the cut counts
+  (:func:`stages.cut_counts`) of the cuts folded into a
+  (:func:`deltajax.mosaic.ops.cut_into_gate`), returned as ``cuts``: the
+  scores' kernels mask them and factor through the gate without their
+  folds (:func:`intra.forward`'s ``folded``).
   """
   shared = dict(chunk_size=chunk_size, interpret=config.interpret,
                 dot=config.dot)
@@ -150,11 +156,14 @@ def before_scan(scale, chunk_size, config, q, k, kr, a, b, cut, *, heads,
         k=k, g=g, b=beta, cuts=cuts, a=None, heads=heads,
         launch=launch("inverse"), **shared), None, None
   a, beta, cuts = stages.gate_inputs(a, b, cut, chunk_size, dtype)
+  if folded is not None:
+    cuts = folded
   a = common.pad_axis(a, 3, k.shape[-1])
   a_kk, p, g_end, starts, ends, g = intra.forward(
       q=q, k=k, kr=kr, a=a, cuts=cuts, heads=heads, scale=scale,
       from_start=(q, k if kr is None else kr), to_end=(k,),
-      launch=launch("intra"), keep_g=keep_g, **shared)
+      launch=launch("intra"), keep_g=keep_g, folded=folded is not None,
+      **shared)
   t = ut.inverse(k=k, g=None, b=beta, cuts=None, a=a_kk, heads=heads,
                  launch=launch("inverse"), **shared)
   return g_end, beta, cuts, starts + ends, t, p, g if keep_g else None
