@@ -55,7 +55,11 @@ the reverse pass walks every piece (:func:`_reverse_in_pieces`).
 
 Cuts (``segment_ids``) are folded into the gate, a full forget at every
 cut token (:func:`cut_into_gate`): the same kernels, the same work, the
-decays across a cut 0 in float32. Packed sequences (``cu_seqlens``:
+decays across a cut 0 in float32. Per channel the Pallas kernel that forms
+the gate folds them in (no pass over a of its own), and the scores'
+kernels, forward and backward, factor each chunk through its gate unfolded
+between the cuts, masking the pairs across them (:func:`_folded`): a chunk
+holding a cut is taken whole as any other. Packed sequences (``cu_seqlens``:
 ``chunk_seq``, each sequence's chunks in a run of their own, with its own
 initial and final state): the scan takes each chunk's sequence bounds
 (:func:`scan.sequence_bounds`) with its tiles, enters a sequence's first
@@ -158,8 +162,8 @@ def gated_delta_mosaic(q, k, v, a, b, initial_state, cut, chunk_seq, *,
       K], write [B, T, HV, V])`` (with W = K).
     initial_state: ``[N, HV, K, V]`` (N = B without chunk_seq).
     cut: None or bool of a's shape (:data:`registry.CONTRACT`): folded
-      into a (:func:`cut_into_gate`) inside the custom VJP, whose backward
-      gives a's cotangent 0 at the floor, so at every cut.
+      into the gate (:func:`_folded`) inside the custom VJP, whose backward
+      gives a's cotangent 0 at every cut.
     chunk_seq: None or int32 ``[T / 64]`` (B = 1): packed sequences.
     scale: Python float multiplying q.
     chunk_size: 64.
