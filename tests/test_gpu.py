@@ -294,9 +294,13 @@ def test_kda_pallas_strong_gates(chunk_size):
          chunk_size=chunk_size)
 
 
-def test_auto_segment_ids():
+@pytest.mark.parametrize("per_channel", [False, True], ids=("gdn", "kda"))
+def test_auto_segment_ids(per_channel):
+  """Documents of 100, 1, 300, 99, 500 and 24 tokens as segment_ids through
+  "auto" (on Hopper the Mosaic GPU kernels; per channel the gate's kernel
+  folds the cuts in and the scores' kernels unfold it between them)."""
   ids = np.repeat(np.arange(6), [100, 1, 300, 99, 500, 24])[None].repeat(2, 0)
-  args, cts = _inputs(1024, 128, seed=7)
+  args, cts = _inputs(1024, 128, seed=7, per_channel=per_channel)
   _check("auto", args, cts, label="auto segment_ids",
          segment_ids=jnp.asarray(ids))
 
