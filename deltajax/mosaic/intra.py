@@ -22,7 +22,11 @@ whatever q's dtype) holds with float32's exponent range. This kernel runs
 on every chunk; the Pallas pass by blocks (``intra.backward(...,
 done=...)``) then rewrites the chunks whose gate falls further, where
 these factors may overflow float32 (faster than the Pallas whole-chunk
-pass on the H200: benchmarks/RESULTS.md).
+pass on the H200: benchmarks/RESULTS.md). Cuts folded into the gate (a
+full forget at each, ``cuts``: packed documents) count as no fall: the
+chunk is factored through its gate unfolded between them, the pairs across
+a cut masked and da 0 at a cut, so that a chunk holding a cut is taken
+whole as any other.
 
 One CTA (one warpgroup) per (batch, chunk, value head, 64 key channels): TMA
 brings q, k (head ``j // G``), the gate's tile and its first and last rows,
@@ -187,7 +191,8 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
 
   def prepare():
     """The decayed operands' tiles, and dM masked to its pairs in place."""
-    (g, r), beta = unfolded(mg.load(g_s, WGMMA)), core.rows(mg.load(b_s, ROWS), keys)
+    g, r = unfolded(mg.load(g_s, WGMMA))
+    beta = core.rows(mg.load(b_s, ROWS), keys)
     up = jnp.exp(g - r)
     kd_s[...] = (load(k_s) * jnp.exp(r - g)).astype(kd_s.dtype)
     qu_s[...] = (scale * up * load(q_s)).astype(qu_s.dtype)
