@@ -131,7 +131,8 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
   A's row keys kr and the other kernels' share of their cotangent after the
   other inputs, kr's cotangent after the other outputs and kr's tile after
   the other tiles; with ``folded``, the cut counts after those inputs and
-  their tile after those tiles."""
+  their two tiles (read per row, per column: a tile read in both layouts
+  fails Mosaic GPU's layout inference) after those tiles."""
   n_in = 11 + 2 * read_keys + folded
   n_out = 4 + read_keys
   (q_ref, k_ref, g_ref, b_ref, a_ref, s_ref, do_ref, delta_ref, dm_ref,
@@ -156,8 +157,8 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
                 (dm_ref.at[bi, h, tokens], dm_s),
                 *(((read_in[0].at[bi, tokens, h, channels], kr_s[0]),)
                   if read_keys else ()),
-                *(((cuts_ref[0].at[bi, h, tokens], cuts_s[0]),)
-                  if folded else ())), bar)
+                *((cuts_ref[0].at[bi, h, tokens], tile) for tile in cuts_s)),
+                bar)
   keys, square = (C, KB), (C, C)
   rows, cols = mg.iota(square, 0), mg.iota(square, 1)
   on_keys = lambda x: lax.broadcast_in_dim(x, keys, [1])
@@ -166,7 +167,7 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
 
   def segments():
     """:func:`_cuts` of the chunk's cut counts."""
-    return _cuts(mg, mg.load(cuts_s[0], ROWS), mg.load(cuts_s[0], COLS))
+    return _cuts(mg, mg.load(cuts_s[0], ROWS), mg.load(cuts_s[1], COLS))
 
   def pairs(strict):
     """The pairs of tokens that carry a score: ``j <= i`` (``strict``: ``j
@@ -174,7 +175,7 @@ def _body(mg, *refs, groups, scale, out_dtype, read_keys, folded):
     keep = rows > cols if strict else rows >= cols
     if folded:
       keep &= (core.rows(mg.load(cuts_s[0], ROWS), square)
-               == lax.broadcast_in_dim(mg.load(cuts_s[0], COLS), square, [1]))
+               == lax.broadcast_in_dim(mg.load(cuts_s[1], COLS), square, [1]))
     return keep
 
   def unfolded(g):
@@ -323,7 +324,8 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
   scratch = [tile, tile, core.smem(keys, f32), operand, operand, operand,
              core.smem(square, OPERANDS), core.smem(square, OPERANDS),
              key_vec, key_vec, key_vec, vec, vec,
-             plgpu.Barrier(num_arrivals=_CHUNK_INPUTS + read_keys + folded),
+             plgpu.Barrier(
+                 num_arrivals=_CHUNK_INPUTS + read_keys + 2 * folded),
              plgpu.Barrier(num_arrivals=_BLOCK_INPUTS),
              plgpu.Barrier(num_arrivals=2 + read_keys)]
   read_in = ()
@@ -332,7 +334,7 @@ def backward(mg, q, k, g, b, a, states, d_o, delta, d_m, dk, dg, kr=None,
     scratch.append(tile)
     read_in = (kr, dkr)
   if folded:
-    scratch.append(vec)
+    scratch += [vec, vec]
     read_in += (cuts,)
   body = lambda *refs: _body(mg, *refs, groups=heads // h, scale=scale,
                              out_dtype=out_dtype, read_keys=read_keys,
